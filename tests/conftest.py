@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from tests.support.llama import llama_server
+from tests.support.upstreams import EchoUpstream, serve_echo
+
+
+@pytest.fixture(scope="session")
+def llama_url() -> Iterator[str]:
+    """One real llama-server for the whole session (two slots, so the proxy serialises)."""
+    with llama_server() as url:
+        yield url
+
+
+@pytest.fixture
+async def echo() -> AsyncIterator[EchoUpstream]:
+    async with serve_echo() as upstream:
+        yield upstream

@@ -1,0 +1,40 @@
+"""Small configs for tests, built through the real loader so they stay valid configs."""
+
+from __future__ import annotations
+
+from vacancyd.config import Config, parse_config
+
+
+def config_from(text: str) -> Config:
+    return parse_config(text, source="<test>")
+
+
+BASIC = """
+[server]
+poll_interval_s = 3.0
+[owner]
+presence = "headless"
+release_after_s = 60.0
+[[resource]]
+name = "ram"
+kind = "memory"
+keep_free_mib = 1000
+[[resource]]
+name = "cpu"
+kind = "cpu"
+max_utilization_pct = 80.0
+[[resource]]
+name = "gpu0"
+kind = "nvidia_gpu"
+device = 0
+[[upstream]]
+name = "llama"
+adapter = "llamacpp"
+listen = "127.0.0.1:0"
+target = "http://127.0.0.1:9"
+resource = "ram"
+also_requires = ["cpu"]
+default_need_mib = { ram = 500 }
+[upstream.models."big"]
+need_mib = { ram = 8000 }
+"""

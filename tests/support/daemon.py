@@ -1,0 +1,139 @@
+"""Running vacancyd for tests: in-process (fast, same trio loop) or as a real subprocess.
+
+The subprocess form starts the daemon exactly as a user does (`python -m vacancyd run`)
+and waits for its "ready" log line rather than sleeping; the bound addresses come from
+that line and from /status, so every listener can use port 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import attrs
+import httpx
+import trio
+
+from vacancyd.config import parse_config
+from vacancyd.service import run_daemon
+from vacancyd.state import SharedState
+
+READY_LINE = re.compile(r"vacancyd ready: api on (http://\S+?)[;,\s]")
+
+
+@attrs.define
+class InProcessDaemon:
+    state: SharedState
+    stop: trio.Event
+
+    @property
+    def api(self) -> str:
+        return self.state.listeners["api"][0]
+
+    def proxy(self, upstream: str) -> str:
+        return self.state.listeners[upstream][0]
+
+
+@asynccontextmanager
+async def in_process_daemon(config_text: str) -> AsyncIterator[InProcessDaemon]:
+    config = parse_config(config_text, source="<test>")
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        state = await nursery.start(partial(run_daemon, config, handle_signals=False, stop=stop))
+        yield InProcessDaemon(state, stop)
+        stop.set()
+
+
+@attrs.define
+class DaemonProcess:
+    process: trio.Process
+    lines: list[str]
+    api: str = ""
+    proxies: dict[str, str] = attrs.Factory(dict)
+    _line_added: trio.Event = attrs.Factory(trio.Event)
+
+    def note(self, line: str) -> None:
+        self.lines.append(line)
+        self._line_added.set()
+        self._line_added = trio.Event()
+
+    async def wait_for_line(self, pattern: str, timeout_s: float = 30.0) -> str:
+        regex = re.compile(pattern)
+        with trio.fail_after(timeout_s):
+            seen = 0
+            while True:
+                for line in self.lines[seen:]:
+                    if regex.search(line):
+                        return line
+                seen = len(self.lines)
+                if self.process.returncode is not None and seen == len(self.lines):
+                    raise AssertionError(
+                        f"vacancyd exited ({self.process.returncode}) before {pattern!r}:\n"
+                        + "\n".join(self.lines)
+                    )
+                await self._line_added.wait()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+async def _pump_lines(stream: trio.abc.ReceiveStream, daemon: DaemonProcess) -> None:
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            daemon.note(line.decode("utf-8", "replace"))
+    if buffer:
+        daemon.note(buffer.decode("utf-8", "replace"))
+    daemon.note("")  # wake waiters so they can see the exit
+
+
+def daemon_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("VACANCYD_TOKEN", None)
+    return env
+
+
+@asynccontextmanager
+async def daemon_process(
+    config_path: Path, *, wait_ready: bool = True
+) -> AsyncIterator[DaemonProcess]:
+    """Start `python -m vacancyd run --config FILE`; stop it with SIGTERM afterwards."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "vacancyd", "run", "--config", str(config_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=daemon_env(),
+    )
+    daemon = DaemonProcess(process, [])
+    async with trio.open_nursery() as nursery:
+        assert process.stderr is not None
+        nursery.start_soon(_pump_lines, process.stderr, daemon)
+        try:
+            if wait_ready:
+                line = await daemon.wait_for_line(r"vacancyd ready: ")
+                match = READY_LINE.search(line + " ")
+                assert match, line
+                daemon.api = match.group(1)
+                async with httpx.AsyncClient(trust_env=False) as client:
+                    status = (await client.get(f"{daemon.api}/status")).json()
+                daemon.proxies = {n: u["bound"][0] for n, u in status["upstreams"].items()}
+            yield daemon
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                with trio.move_on_after(15) as late:
+                    await process.wait()
+                if late.cancelled_caught:
+                    process.kill()
+                    await process.wait()

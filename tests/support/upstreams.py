@@ -1,0 +1,146 @@
+"""Real HTTP upstreams on loopback for proxy tests, served by hypercorn like any ASGI app.
+
+The echo upstream answers every request with what it received (method, raw target,
+headers, body), and can stream, stall or break on request, so tests see exactly what the
+proxy forwarded and how it relays.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+
+@attrs.define
+class Seen:
+    method: str
+    target: bytes
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> list[str]:
+        return [v for k, v in self.headers if k == name.lower()]
+
+
+@attrs.define
+class EchoUpstream:
+    """Records requests and echoes them.
+
+    A JSON body with "echo_stream": {"events": N, "break_at": K} is answered with N SSE
+    events; the second and later wait for `gate`, and event K raises instead of sending.
+    """
+
+    seen: list[Seen] = attrs.Factory(list)
+    url: str = ""
+    gate: trio.Event = attrs.Factory(trio.Event)
+    events_sent: int = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        target = scope["raw_path"] + (
+            b"?" + scope["query_string"] if scope["query_string"] else b""
+        )
+        headers = [(k.decode().lower(), v.decode()) for k, v in scope["headers"]]
+        self.seen.append(Seen(scope["method"], target, headers, body))
+        path = scope["raw_path"]
+        request = _json_or_empty(body)
+        if "echo_stream" in request:
+            await self._stream(request["echo_stream"], send)
+            return
+        if path == b"/redirect":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 302,
+                    "headers": [(b"location", self.url.encode() + b"/elsewhere")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
+            return
+        payload = json.dumps(
+            {"method": scope["method"], "target": target.decode(), "body": body.decode()}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"connection", b"x-private"),
+                    (b"x-private", b"hop"),
+                    (b"keep-alive", b"timeout=5"),
+                    (b"x-upstream", b"echo"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _stream(self, options: dict[str, int], send: Any) -> None:
+        count = options.get("events", 3)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        for index in range(count):
+            if index == 1:
+                await self.gate.wait()  # hold the stream open until the test lets it go
+            if options.get("break_at") == index:
+                raise RuntimeError("upstream broke mid-stream on purpose")
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"data: {index}\n\n".encode(),
+                    "more_body": True,
+                }
+            )
+            self.events_sent += 1
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _json_or_empty(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+@asynccontextmanager
+async def serve_echo() -> AsyncIterator[EchoUpstream]:
+    upstream = EchoUpstream()
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, upstream, config, shutdown_trigger=stop.wait))
+        upstream.url = binds[0]
+        yield upstream
+        stop.set()

@@ -1,0 +1,5 @@
+import sys
+
+from vacancyd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,10 @@
+"""Upstream adapters: what each inference server's routes mean, as data.
+
+No module outside this package names a product. The proxy asks an adapter to classify a
+request and to read what it needs from a body; everything product-specific stays here.
+"""
+
+from vacancyd.adapters.base import Adapter, Classification, RouteClass
+from vacancyd.adapters.registry import adapter_for
+
+__all__ = ["Adapter", "Classification", "RouteClass", "adapter_for"]

@@ -1,0 +1,137 @@
+"""Route tables and the classification every proxied request goes through.
+
+Classification fails closed. A request reaches the upstream only if its method and its
+exact path, after dot segments are resolved the way the forwarding URL would resolve
+them, appear in the adapter's table. Paths are compared as raw bytes: a percent-encoded
+or otherwise disguised spelling of a listed route is simply not listed, so `/%73lots`
+and `/v1/models/..%2Fapi%2Fps` can never reach a management read by accident.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+
+class RouteClass(enum.Enum):
+    WORK = "work"  # inference: gated by the gate and the ledger
+    PASS = "pass"  # discovery and health: forwarded unconditionally
+    RESULTS = "results"  # the borrower's own results (an adapter with job ids)
+    MANAGEMENT = "management"  # reads of the owner's activity or server settings
+    UNKNOWN = "unknown"  # anything no table lists
+
+
+@attrs.frozen
+class Route:
+    methods: frozenset[str]
+    path: str  # "{name}" matches one segment of safe characters
+    route_class: RouteClass
+    # Whether the body must be JSON (read for the model name). Multipart routes say False.
+    json_body: bool = True
+
+    def matches(self, method: str, path: str) -> bool:
+        return method in self.methods and _pattern(self.path).fullmatch(path) is not None
+
+
+# One path segment standing in for a name: no percent escapes, no dot-only segments.
+_SEGMENT = r"(?!\.{1,2}(?:/|$))[A-Za-z0-9._:~@+\-]+"
+_patterns: dict[str, re.Pattern[str]] = {}
+
+
+def _pattern(path: str) -> re.Pattern[str]:
+    compiled = _patterns.get(path)
+    if compiled is None:
+        parts = re.split(r"\{[a-z_]+\}", path)
+        compiled = re.compile(_SEGMENT.join(re.escape(part) for part in parts))
+        _patterns[path] = compiled
+    return compiled
+
+
+def work(*paths: str, json_body: bool = True) -> list[Route]:
+    return [Route(frozenset({"POST"}), p, RouteClass.WORK, json_body) for p in paths]
+
+
+def reads(route_class: RouteClass, *paths: str) -> list[Route]:
+    return [Route(frozenset({"GET", "HEAD"}), p, route_class, False) for p in paths]
+
+
+@attrs.frozen
+class Classification:
+    route_class: RouteClass
+    path: str  # the resolved path that would be forwarded (still percent-encoded)
+    route: Route | None = None
+    why: str = ""
+
+
+def _model_field(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+@attrs.frozen
+class Adapter:
+    name: str
+    routes: tuple[Route, ...]
+    # Listed health checks: with a query string they read slot state, so they are management.
+    health_paths: frozenset[str] = frozenset()
+    # Extra refusal for a work body the gate must never admit (e.g. background jobs).
+    refuse_body: Callable[[str, Mapping[str, Any]], str | None] | None = None
+    # Where the model name lives in a JSON body.
+    model_from_body: Callable[[Mapping[str, Any]], str | None] = _model_field
+    # Whether unload / cancel exist (later issues); /status says when memory recovery is not
+    # guaranteed.
+    can_unload: bool = False
+
+    def classify(self, method: str, raw_path: bytes, query: bytes) -> Classification:
+        try:
+            text = raw_path.decode("ascii")
+        except UnicodeDecodeError:
+            return Classification(RouteClass.UNKNOWN, "", why="path is not ASCII")
+        if not text.startswith("/") or any(ord(c) < 0x21 or ord(c) == 0x7F for c in text):
+            return Classification(RouteClass.UNKNOWN, text, why="malformed request target")
+        path = remove_dot_segments(text)
+        for route in self.routes:
+            if route.matches(method, path):
+                if route.route_class is RouteClass.PASS and query and path in self.health_paths:
+                    return Classification(
+                        RouteClass.MANAGEMENT, path, route, "a health check with parameters"
+                    )
+                return Classification(route.route_class, path, route)
+        return Classification(RouteClass.UNKNOWN, path, why="no route matches")
+
+    def listed_reads(self) -> list[str]:
+        """The GET routes a borrower may use, for the text of a management refusal."""
+        return sorted(
+            {r.path for r in self.routes if "GET" in r.methods and r.route_class is RouteClass.PASS}
+        )
+
+    def listed_work(self) -> list[str]:
+        return sorted({r.path for r in self.routes if r.route_class is RouteClass.WORK})
+
+
+def remove_dot_segments(path: str) -> str:
+    """RFC 3986 section 5.2.4, as an HTTP client resolves a URL before sending it.
+
+    Only literal "." and ".." segments are dots; "%2e" is not resolved, matching what the
+    forwarding client does, so what is classified is exactly what would be sent.
+    """
+    output: list[str] = []
+    segments = path.split("/")
+    for index, segment in enumerate(segments[1:], start=1):
+        last = index == len(segments) - 1
+        if segment == ".":
+            if last:
+                output.append("")
+            continue
+        if segment == "..":
+            if output:
+                output.pop()
+            if last:
+                output.append("")
+            continue
+        output.append(segment)
+    return "/" + "/".join(output)

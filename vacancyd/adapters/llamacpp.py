@@ -1,0 +1,41 @@
+"""llama.cpp's llama-server: the OpenAI table plus its own native routes.
+
+/slots, /props and /metrics show what the owner's slots are doing and how the server is
+configured, so they are management reads; /health with a query string reads slot state
+and counts as management too.
+"""
+
+from __future__ import annotations
+
+from vacancyd.adapters.base import Adapter, RouteClass, reads, work
+from vacancyd.adapters.openai import OPENAI_READS, OPENAI_WORK, refuse_background_response
+
+LLAMACPP = Adapter(
+    name="llamacpp",
+    routes=(
+        *OPENAI_WORK,
+        *work(
+            "/completion",
+            "/completions",
+            "/chat/completions",
+            "/responses",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/infill",
+            "/embedding",
+            "/embeddings",
+            "/rerank",
+            "/reranking",
+            "/v1/rerank",
+            "/v1/reranking",
+            "/tokenize",
+            "/detokenize",
+            "/apply-template",
+        ),
+        *OPENAI_READS,
+        *reads(RouteClass.PASS, "/health", "/v1/health", "/models"),
+        *reads(RouteClass.MANAGEMENT, "/slots", "/props", "/metrics", "/lora-adapters"),
+    ),
+    health_paths=frozenset({"/health", "/v1/health"}),
+    refuse_body=refuse_background_response,
+)

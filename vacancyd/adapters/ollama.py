@@ -1,0 +1,37 @@
+"""Ollama: its native /api routes and its OpenAI-compatible /v1 layer.
+
+/api/ps lists the loaded models and, from their expiry, when the owner last used them:
+a management read. Pulling, pushing, creating, copying and deleting models are not
+listed, so they fail closed.
+"""
+
+from __future__ import annotations
+
+from vacancyd.adapters.base import Adapter, Route, RouteClass, reads, work
+from vacancyd.adapters.openai import refuse_background_response
+
+OLLAMA = Adapter(
+    name="ollama",
+    routes=(
+        *work(
+            "/api/generate",
+            "/api/chat",
+            "/api/embed",
+            "/api/embeddings",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+            "/v1/responses",
+            "/v1/messages",
+        ),
+        *work("/v1/audio/transcriptions", json_body=False),
+        *reads(
+            RouteClass.PASS, "/", "/api/version", "/api/tags", "/v1/models", "/v1/models/{model}"
+        ),
+        Route(frozenset({"POST"}), "/api/show", RouteClass.PASS, json_body=True),
+        *reads(RouteClass.MANAGEMENT, "/api/ps", "/api/status"),
+    ),
+    health_paths=frozenset({"/"}),
+    refuse_body=refuse_background_response,
+    can_unload=True,
+)

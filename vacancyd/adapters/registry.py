@@ -1,0 +1,14 @@
+"""Adapter lookup by the name used in `[[upstream]] adapter = ...`."""
+
+from __future__ import annotations
+
+from vacancyd.adapters.base import Adapter
+from vacancyd.adapters.llamacpp import LLAMACPP
+from vacancyd.adapters.ollama import OLLAMA
+from vacancyd.adapters.openai import OPENAI
+
+_ADAPTERS = {adapter.name: adapter for adapter in (OPENAI, LLAMACPP, OLLAMA)}
+
+
+def adapter_for(name: str) -> Adapter:
+    return _ADAPTERS[name]

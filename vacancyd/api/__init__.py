@@ -1,0 +1,1 @@
+"""The operator's API: health, readiness, status, metrics, admin switches, owner console."""

@@ -1,0 +1,115 @@
+"""The API app (quart-trio): probes, status, metrics, admin switches and the owner console.
+
+/healthz and /readyz are public and say nothing about the owner; everything that does
+needs the read scope, and anything that changes behaviour needs admin.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from vacancyd.admission import Ledger
+from vacancyd.api.metrics import CONTENT_TYPE, VacancydCollector, open_registry, render
+from vacancyd.api.status import is_ready, status_document
+from vacancyd.auth import Authenticator
+from vacancyd.config import Scope
+from vacancyd.decisions import DecisionLog
+from vacancyd.state import SharedState
+
+MAX_ADMIN_BODY = 64 * 1024
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(
+        json.dumps(payload, indent=2),
+        status=status,
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def _error(status: int, code: str, message: str) -> Response:
+    return _json({"error": {"type": "api_error", "code": code, "message": message}}, status)
+
+
+def create_api_app(
+    state: SharedState,
+    ledger: Ledger,
+    decisions: DecisionLog,
+    auth: Authenticator,
+    can_unload: dict[str, bool],
+) -> QuartTrio:
+    app = QuartTrio("vacancyd.api")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
+    app.config["RESPONSE_TIMEOUT"] = None
+    registry = open_registry(VacancydCollector(state, ledger, decisions, auth))
+
+    def denied(scope: Scope) -> Response | None:
+        client = request.scope.get("client")
+        verdict = auth.check(
+            request.headers.get("Authorization"), client[0] if client else None, scope
+        )
+        if verdict.allowed:
+            return None
+        return _error(verdict.status, verdict.code, verdict.message)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "alive"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        ready = is_ready(state)
+        return _json({"ready": ready}, 200 if ready else 503)
+
+    @app.get("/status")
+    async def status() -> Response:
+        return denied(Scope.READ) or _json(status_document(state, ledger, decisions, can_unload))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return denied(Scope.READ) or Response(render(registry), content_type=CONTENT_TYPE)
+
+    async def switch_body() -> bool | Response:
+        # Only application/json: a cross-site form or text/plain POST cannot flip a switch.
+        payload = await request.get_json(silent=True)
+        if not isinstance(payload, dict) or type(payload.get("enabled")) is not bool:
+            return _error(400, "invalid_body", 'expected a JSON body {"enabled": true|false}')
+        return bool(payload["enabled"])
+
+    @app.post("/admin/lending")
+    async def admin_lending() -> Response:
+        refusal = denied(Scope.ADMIN)
+        if refusal is not None:
+            return refusal
+        enabled = await switch_body()
+        if isinstance(enabled, Response):
+            return enabled
+        state.set_lending(enabled)
+        app.logger.info("lending %s through the admin API", "resumed" if enabled else "paused")
+        return _json({"lending": {"enabled": state.lending_enabled}})
+
+    @app.post("/admin/resources/<name>")
+    async def admin_resource(name: str) -> Response:
+        refusal = denied(Scope.ADMIN)
+        if refusal is not None:
+            return refusal
+        if name not in state.resource_switch:
+            return _error(404, "unknown_resource", f"no resource named {name!r}")
+        enabled = await switch_body()
+        if isinstance(enabled, Response):
+            return enabled
+        state.set_resource_switch(name, enabled)
+        return _json({"resource": name, "enabled": enabled})
+
+    @app.get("/")
+    async def console() -> Response:
+        page = resources.files("vacancyd.api").joinpath("console/index.html").read_bytes()
+        return Response(page, content_type="text/html; charset=utf-8")
+
+    return app

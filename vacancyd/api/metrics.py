@@ -1,0 +1,179 @@
+"""Prometheus metrics, computed at scrape time from the same views the gate uses.
+
+A custom collector rather than module-level gauges: the values are read fresh on each
+scrape, nothing can go stale between a decision and an export, and each daemon (and each
+test) has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vacancyd.admission import Ledger
+from vacancyd.api.status import is_ready
+from vacancyd.auth import Authenticator
+from vacancyd.decisions import DecisionLog
+from vacancyd.model import MIB, PressureQuality, Quality, Reason
+from vacancyd.state import SharedState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class VacancydCollector(Collector):
+    def __init__(
+        self, state: SharedState, ledger: Ledger, decisions: DecisionLog, auth: Authenticator
+    ) -> None:
+        self._state = state
+        self._ledger = ledger
+        self._decisions = decisions
+        self._auth = auth
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state
+        now = trio.current_time()
+        yield _gauge("vacancyd_ready", "1 when /readyz would answer 200", [((), is_ready(state))])
+        yield _gauge(
+            "vacancyd_lending_enabled", "Global lending switch", [((), state.lending_enabled)]
+        )
+        yield from self._presence(now)
+        yield from self._resources(now)
+        yield from self._upstreams()
+
+    def _presence(self, now: float) -> Iterator[Metric]:
+        state = self._state
+        view = state.presence_view(now)
+        reading = state.presence
+        yield _gauge("vacancyd_presence_sampled", "A presence reading exists", [((), view.sampled)])
+        yield _gauge("vacancyd_presence_fresh", "Presence is within its bound", [((), view.fresh)])
+        yield _gauge(
+            "vacancyd_presence_evidence_complete",
+            "The owner's session could be read clearly",
+            [((), view.evidence_complete)],
+        )
+        if reading is not None:
+            yield _gauge(
+                "vacancyd_presence_age_seconds",
+                "Age of the latest presence reading",
+                [((), now - reading.taken_at)],
+            )
+        yield _gauge("vacancyd_owner_veto", "Owner veto engaged", [((), view.veto_engaged)])
+
+    def _resources(self, now: float) -> Iterator[Metric]:
+        state = self._state
+        switch, quality, age, free, total, util, lendable, spare, busy = ([] for _ in range(9))
+        pressure_quality, pressure_engaged = [], []
+        for name, config in state.resources.items():
+            view = state.resource_view(name, now)
+            observation = state.observation(name)
+            switch.append(((name,), view.switch_on))
+            for q in Quality:
+                quality.append(((name, q.value), view.quality is q))
+            lendable.append(((name,), view.quality is Quality.READY and view.lendable))
+            busy.append(((name,), self._ledger.holder(name) is not None))
+            if observation is not None:
+                age.append(((name,), now - observation.taken_at))
+                if observation.utilization_pct is not None:
+                    util.append(((name,), observation.utilization_pct))
+                if config.kind.has_bytes:
+                    if observation.free_bytes is not None:
+                        free.append(((name,), observation.free_bytes))
+                    if observation.total_bytes is not None:
+                        total.append(((name,), observation.total_bytes))
+            if view.spare_mib is not None:
+                spare.append(((name,), view.spare_mib * MIB))
+            if view.pressure is not None:
+                for pq in PressureQuality:
+                    pressure_quality.append(((name, pq.value), view.pressure.quality is pq))
+                pressure_engaged.append(((name,), view.pressure.engaged))
+        labels = ["resource"]
+        yield _gauge("vacancyd_resource_enabled", "Runtime switch per resource", switch, labels)
+        yield _gauge(
+            "vacancyd_resource_quality",
+            "1 for the current quality of the resource's capacity reading",
+            quality,
+            ["resource", "quality"],
+        )
+        yield _gauge("vacancyd_resource_age_seconds", "Age of the capacity reading", age, labels)
+        yield _gauge("vacancyd_resource_free_bytes", "Free bytes (not for cpu)", free, labels)
+        yield _gauge("vacancyd_resource_total_bytes", "Total bytes (not for cpu)", total, labels)
+        yield _gauge("vacancyd_resource_utilization_pct", "Utilisation percent", util, labels)
+        yield _gauge(
+            "vacancyd_resource_lendable", "Capacity policy allows lending now", lendable, labels
+        )
+        yield _gauge(
+            "vacancyd_resource_spare_bytes",
+            "Bytes a borrowed model may use after the owner's reserve",
+            spare,
+            labels,
+        )
+        yield _gauge(
+            "vacancyd_resource_reserved", "A borrowed job holds the resource", busy, labels
+        )
+        yield _gauge(
+            "vacancyd_pressure_quality",
+            "1 for the current quality of the owner-load reading",
+            pressure_quality,
+            ["resource", "quality"],
+        )
+        yield _gauge(
+            "vacancyd_pressure_engaged", "Owner load guard engaged", pressure_engaged, labels
+        )
+
+    def _upstreams(self) -> Iterator[Metric]:
+        admissions = CounterMetricFamily(
+            "vacancyd_admissions", "Borrowed requests admitted", labels=["upstream"]
+        )
+        refusals = CounterMetricFamily(
+            "vacancyd_refusals",
+            "Borrowed requests refused, by reason",
+            labels=["upstream", "reason"],
+        )
+        for upstream in self._decisions.upstreams():
+            record = self._decisions.for_upstream(upstream)
+            admissions.add_metric([upstream], record.admitted)
+            for reason in Reason:
+                refusals.add_metric([upstream, reason.value], record.refused.get(reason.value, 0))
+        yield admissions
+        yield refusals
+        active = GaugeMetricFamily(
+            "vacancyd_active_work", "Admission ledger entries", labels=["upstream", "phase"]
+        )
+        entries = self._ledger.statistics().entries
+        for upstream in self._decisions.upstreams():
+            for phase in ("forwarding", "tracking", "held"):
+                count = sum(1 for e in entries if e.upstream == upstream and e.phase == phase)
+                active.add_metric([upstream, phase], count)
+        yield active
+        auth = CounterMetricFamily(
+            "vacancyd_auth", "Authentication decisions", labels=["scope", "outcome"]
+        )
+        for (scope, outcome), count in sorted(self._auth.counts.items()):
+            auth.add_metric([scope, outcome], count)
+        yield auth
+
+
+def _gauge(
+    name: str,
+    documentation: str,
+    samples: Sequence[tuple[tuple[str, ...], float]],
+    labels: list[str] | None = None,
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=labels or [])
+    for label_values, value in samples:
+        family.add_metric(list(label_values), float(value))
+    return family
+
+
+def open_registry(collector: VacancydCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

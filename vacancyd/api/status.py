@@ -1,0 +1,180 @@
+"""The /status document: every input the gate consults, with its quality, age and source.
+
+Built from the components' public views on each request, never from their private state,
+so the document cannot drift from what the gate actually sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cattrs
+import trio
+
+import vacancyd
+from vacancyd.admission import Ledger, Reservation
+from vacancyd.config import Config
+from vacancyd.decisions import DecisionLog, DecisionRecord
+from vacancyd.gate import owner_refusal, resource_refusal
+from vacancyd.model import OwnerScope, Quality, Refuse
+from vacancyd.state import SharedState
+
+_plain = cattrs.Converter()
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def is_ready(state: SharedState) -> bool:
+    """Listeners bound, presence sampled, and every needed enabled resource fresh."""
+    if not state.all_listeners_bound or state.presence is None:
+        return False
+    now = trio.current_time()
+    if not state.presence_view(now).fresh:
+        return False
+    for name in needed_resources(state.config):
+        if (
+            state.resource_switch.get(name)
+            and state.capacity_quality(name, now) is not Quality.READY
+        ):
+            return False
+    return True
+
+
+def needed_resources(config: Config) -> set[str]:
+    return {name for u in config.upstream for name in (u.resource, *u.also_requires)}
+
+
+def status_document(
+    state: SharedState, ledger: Ledger, decisions: DecisionLog, adapters_can_unload: dict[str, bool]
+) -> dict[str, Any]:
+    now = trio.current_time()
+    config = state.config
+    stats = ledger.statistics()
+    return {
+        "version": vacancyd.__version__,
+        "ready": is_ready(state),
+        "uptime_s": _round(now - state.started_at),
+        "lending": {"enabled": state.lending_enabled},
+        "presence": _presence(state, now),
+        "owner_veto": {
+            "engaged": state.veto.engaged,
+            "reason": state.veto.reason,
+            "release_after_s": state.veto.release_after_s,
+            "last_match_age_s": _round(now - state.veto.last_match_at)
+            if state.veto.last_match_at is not None
+            else None,
+            "exempt_upstreams": [
+                u.name for u in config.upstream if u.owner_scope is OwnerScope.RESOURCE
+            ],
+        },
+        "resources": {r.name: _resource(state, ledger, r.name, now) for r in config.resource},
+        "upstreams": {
+            u.name: {
+                "adapter": u.adapter.value,
+                "listen": u.listen,
+                "bound": state.listeners.get(u.name, []),
+                "target": u.target,
+                "resource": u.resource,
+                "also_requires": list(u.also_requires),
+                "owner_scope": u.owner_scope.value,
+                "memory_recovery": "unload on owner return"
+                if adapters_can_unload.get(u.name)
+                else "not guaranteed: this server has no unload; new work is refused only",
+                "active_work": [
+                    _reservation(r, now) for r in stats.entries if r.upstream == u.name
+                ],
+                **_decisions(decisions, u.name, now),
+            }
+            for u in config.upstream
+        },
+        "ledger": {
+            "reserved_total": stats.reserved_total,
+            "released_total": stats.released_total,
+            "awaiting_sample": list(stats.awaiting_sample),
+            "busy_refusals": stats.busy_refusals,
+        },
+        "api": {"bound": state.listeners.get("api", [])},
+    }
+
+
+def _presence(state: SharedState, now: float) -> dict[str, Any]:
+    reading = state.presence
+    view = state.presence_view(now)
+    refusal = owner_refusal(view)
+    quality = "unknown" if reading is None else ("ready" if view.fresh else "stale")
+    return {
+        "backend": state.presence_backend,
+        "scope": state.presence_scope_note,
+        "session": reading.session.value if reading else None,
+        "owner_programs": list(reading.owner_programs) if reading else [],
+        "quality": quality,
+        "age_s": _round(now - reading.taken_at) if reading else None,
+        "detail": view.detail,
+        "refuses": refusal.reason.value if refusal else None,
+        "refusal_detail": refusal.detail if refusal else None,
+    }
+
+
+def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict[str, Any]:
+    config = state.resources[name]
+    view = state.resource_view(name, now)
+    observation = state.observation(name)
+    refusal = resource_refusal(view)
+    holder = ledger.holder(name)
+    document: dict[str, Any] = {
+        "kind": config.kind.value,
+        "enabled": view.switch_on,
+        "quality": view.quality.value,
+        "age_s": _round(now - observation.taken_at) if observation else None,
+        "source": "psutil" if config.kind.value in ("memory", "cpu") else "nvml",
+        "detail": view.quality_detail or view.policy_detail,
+        "lendable": view.lendable if view.quality is Quality.READY else None,
+        "spare_mib": view.spare_mib,
+        "pressure": _plain.unstructure(view.pressure) if view.pressure else None,
+        "reserved_by": holder.job_id if holder else None,
+        "awaiting_sample": ledger.awaits_sample(name),
+        "refuses": refusal.reason.value if refusal else None,
+        "refusal_detail": refusal.detail if refusal else None,
+    }
+    if observation is not None:
+        if config.kind.has_bytes:
+            document["total_bytes"] = observation.total_bytes
+            document["free_bytes"] = observation.free_bytes
+        document["utilization_pct"] = _round(observation.utilization_pct)
+    return document
+
+
+def _reservation(reservation: Reservation, now: float) -> dict[str, Any]:
+    return {
+        "job_id": reservation.job_id,
+        "phase": reservation.phase,
+        "model": reservation.model,
+        "resources": list(reservation.resources),
+        "running_s": _round(now - reservation.started_at),
+    }
+
+
+def _decisions(decisions: DecisionLog, upstream: str, now: float) -> dict[str, Any]:
+    record = decisions.for_upstream(upstream)
+    return {
+        "admitted": record.admitted,
+        "refused": dict(record.refused),
+        "last_decision": _record(record.last, now),
+        "last_refusal": _record(record.last_refusal, now),
+    }
+
+
+def _record(record: DecisionRecord | None, now: float) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    decision = record.decision
+    return {
+        "age_s": _round(now - record.at),
+        "admitted": not isinstance(decision, Refuse),
+        "reason": decision.reason.value if isinstance(decision, Refuse) else None,
+        "retry_after_s": decision.retry_after_s if isinstance(decision, Refuse) else None,
+        "detail": decision.detail,
+        "inputs": _plain.unstructure(record.question) if record.question else None,
+    }

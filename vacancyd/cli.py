@@ -1,0 +1,271 @@
+"""The `vacancyd` command: run the daemon, check a config, and talk to a running daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import httpx
+import trio
+
+from vacancyd import __version__
+from vacancyd.config import Config, Scope, load_config, parse_listen
+from vacancyd.errors import ConfigError, StartupError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_CONFIG
+    handler = {
+        "run": _run,
+        "check-config": _check_config,
+        "status": _status,
+        "pause": _pause,
+        "resume": _resume,
+    }[args.command]
+    return handler(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vacancyd",
+        description="Lend this machine's idle GPU through a gated reverse proxy.",
+    )
+    parser.add_argument("--version", action="version", version=f"vacancyd {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the daemon (embedded default without --config)")
+    run.add_argument("--config", metavar="FILE", help="configuration file (TOML)")
+
+    check = commands.add_parser("check-config", help="validate a configuration file")
+    check.add_argument("file", metavar="FILE")
+
+    for name, text in (
+        ("status", "show what a running daemon reports"),
+        ("pause", "stop lending (new borrowed work is refused)"),
+        ("resume", "lend again"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--config", metavar="FILE", help="find the API address in this file")
+        where.add_argument("--api", metavar="URL", help="the API's base URL")
+        sub.add_argument("--token", help="bearer token (default: $VACANCYD_TOKEN or a token file)")
+        if name == "status":
+            sub.add_argument("--json", action="store_true", help="print the raw JSON document")
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from vacancyd.service import EssentialTaskFailed, run_daemon
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        _print_problems(args.config or "<embedded default>", exc)
+        return EXIT_CONFIG
+    _configure_logging(config.server.log_level.value)
+    log = logging.getLogger("vacancyd")
+    log.info(
+        "vacancyd %s starting with %s", __version__, args.config or "the embedded default config"
+    )
+    try:
+        trio.run(run_daemon, config)
+    except StartupError as exc:
+        log.critical("cannot start: %s", exc)
+        return EXIT_FAILED
+    except BaseExceptionGroup as group:
+        failed = group.subgroup(lambda e: isinstance(e, EssentialTaskFailed | StartupError))
+        for leaf in _leaves(failed or group):
+            log.critical("vacancyd is exiting: %s", leaf)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_OK
+    return EXIT_OK
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for inner in group.exceptions for leaf in _leaves(inner)]
+    return [group]
+
+
+def _print_problems(source: str, exc: ConfigError) -> None:
+    print(f"{source}: {len(exc.messages)} problem(s):", file=sys.stderr)
+    for message in exc.messages:
+        print(f"  {message}", file=sys.stderr)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        _print_problems(args.file, exc)
+        return EXIT_CONFIG
+    print(
+        f"{args.file}: ok ({len(config.resource)} resource(s), {len(config.upstream)} upstream(s))"
+    )
+    return EXIT_OK
+
+
+def _api_target(args: argparse.Namespace, scope: Scope) -> tuple[str, str | None] | int:
+    """The API base URL and a token for it, or an exit code after printing why not."""
+    from vacancyd.auth import token_for_cli
+
+    if args.api:
+        return args.api.rstrip("/"), args.token
+    try:
+        config: Config = load_config(args.config)
+    except ConfigError as exc:
+        _print_problems(args.config or "<embedded default>", exc)
+        return EXIT_CONFIG
+    listen = parse_listen(config.server.api_listen)
+    host = listen.host
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    base = f"http://[{host}]:{listen.port}" if ":" in host else f"http://{host}:{listen.port}"
+    return base, args.token or token_for_cli(config.auth, scope)
+
+
+def _call(method: str, url: str, token: str | None, body: Any = None) -> httpx.Response | int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(trust_env=False, timeout=10.0) as client:
+            return client.request(method, url, headers=headers, json=body)
+    except httpx.HTTPError as exc:
+        print(f"vacancyd: cannot reach {url}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _explain_failure(response: httpx.Response) -> int:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text.strip()
+    print(f"vacancyd: the daemon answered {response.status_code}: {message}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _status(args: argparse.Namespace) -> int:
+    target = _api_target(args, Scope.READ)
+    if isinstance(target, int):
+        return target
+    base, token = target
+    response = _call("GET", f"{base}/status", token)
+    if isinstance(response, int):
+        return response
+    if response.status_code != 200:
+        return _explain_failure(response)
+    document = response.json()
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_status(document))
+    return EXIT_OK
+
+
+def _set_lending(args: argparse.Namespace, enabled: bool) -> int:
+    target = _api_target(args, Scope.ADMIN)
+    if isinstance(target, int):
+        return target
+    base, token = target
+    response = _call("POST", f"{base}/admin/lending", token, {"enabled": enabled})
+    if isinstance(response, int):
+        return response
+    if response.status_code != 200:
+        return _explain_failure(response)
+    print("lending resumed" if enabled else "lending paused: new borrowed work is refused")
+    return EXIT_OK
+
+
+def _pause(args: argparse.Namespace) -> int:
+    return _set_lending(args, False)
+
+
+def _resume(args: argparse.Namespace) -> int:
+    return _set_lending(args, True)
+
+
+def render_status(document: dict[str, Any]) -> str:
+    """The status document for a person: one line per fact that decides admission."""
+    lines = [
+        f"vacancyd {document.get('version', '?')}: "
+        f"{'ready' if document.get('ready') else 'NOT READY'}, "
+        f"lending {'on' if document['lending']['enabled'] else 'PAUSED'}",
+    ]
+    presence = document["presence"]
+    lines.append(
+        f"presence: {presence['backend']} · {presence.get('session') or 'no reading'} · "
+        f"{presence['quality']}{_age(presence.get('age_s'))}"
+        + (
+            f" · refuses {presence['refuses']}: {presence['refusal_detail']}"
+            if presence.get("refuses")
+            else ""
+        )
+    )
+    if presence.get("scope"):
+        lines.append(f"  {presence['scope']}")
+    veto = document["owner_veto"]
+    lines.append(
+        f"owner veto: {'ENGAGED (' + veto['reason'] + ')' if veto['engaged'] else 'clear'}"
+    )
+    lines.append("resources:")
+    for name, resource in document["resources"].items():
+        facts = [resource["kind"], resource["quality"] + _age(resource.get("age_s"))]
+        if resource.get("free_bytes") is not None:
+            facts.append(f"{resource['free_bytes'] // (1024 * 1024)} MiB free")
+        if resource.get("utilization_pct") is not None:
+            facts.append(f"{resource['utilization_pct']:.0f}% busy")
+        if not resource["enabled"]:
+            facts.append("switched off")
+        if resource.get("reserved_by") is not None:
+            facts.append(f"reserved by job {resource['reserved_by']}")
+        if resource.get("refuses"):
+            facts.append(f"refuses {resource['refuses']}: {resource['refusal_detail']}")
+        lines.append(f"  {name}: " + " · ".join(facts))
+    lines.append("upstreams:")
+    for name, upstream in document["upstreams"].items():
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(upstream["refused"].items())) or "none"
+        where = ", ".join(upstream["bound"]) or upstream["listen"]
+        lines.append(
+            f"  {name} ({upstream['adapter']}): {where} -> {upstream['target']}"
+            f" · admitted {upstream['admitted']} · refused {refused}"
+        )
+        for job in upstream["active_work"]:
+            lines.append(
+                f"    job {job['job_id']} {job['phase']} {job.get('model') or ''} "
+                f"for {job['running_s']:.0f}s"
+            )
+        last = upstream.get("last_refusal")
+        if last:
+            lines.append(f"    last refusal: {last['reason']} ({last['detail']})")
+        if upstream.get("unseen_gpu_work"):
+            lines.append("    unseen_gpu_work: admitted work runs but no process of it uses a GPU")
+        if "not guaranteed" in upstream.get("memory_recovery", ""):
+            lines.append(f"    memory recovery: {upstream['memory_recovery']}")
+    return "\n".join(lines)
+
+
+def _age(age: float | None) -> str:
+    return "" if age is None else f" ({age:.1f}s old)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Collectors: loops that read the machine and write timestamped observations to shared state."""

@@ -1,0 +1,106 @@
+"""System memory and CPU capacity through psutil.
+
+Memory capacity is what the kernel reports as available (free plus reclaimable cache),
+which is what a borrowed model could actually get without pushing the owner into swap.
+CPU has no byte capacity: only its utilisation is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import psutil
+import trio
+
+from vacancyd.collect.probe import ProbeTimeout, run_probe
+from vacancyd.config import ResourceConfig
+from vacancyd.model import Observation, ResourceKind
+from vacancyd.state import SharedState
+
+log = logging.getLogger(__name__)
+
+# The first CPU reading needs an interval to measure over; later ones measure since the last.
+_FIRST_CPU_INTERVAL_S = 0.2
+
+
+@attrs.frozen
+class SystemReading:
+    total_bytes: int
+    available_bytes: int
+    cpu_pct: float
+
+
+class SystemProbe:
+    """Blocking reads of /proc through psutil; called on a worker thread."""
+
+    def __init__(self) -> None:
+        self._primed = False
+
+    def read(self) -> SystemReading:
+        memory = psutil.virtual_memory()
+        interval = None if self._primed else _FIRST_CPU_INTERVAL_S
+        cpu = psutil.cpu_percent(interval=interval)
+        self._primed = True
+        return SystemReading(int(memory.total), int(memory.available), float(cpu))
+
+
+def observations_from(
+    reading: SystemReading, resources: list[ResourceConfig], now: float
+) -> list[Observation]:
+    result = []
+    for resource in resources:
+        if resource.kind is ResourceKind.MEMORY:
+            result.append(
+                Observation(
+                    resource=resource.name,
+                    taken_at=now,
+                    total_bytes=reading.total_bytes,
+                    free_bytes=reading.available_bytes,
+                )
+            )
+        elif resource.kind is ResourceKind.CPU:
+            result.append(
+                Observation(resource=resource.name, taken_at=now, utilization_pct=reading.cpu_pct)
+            )
+    return result
+
+
+async def run_system_collector(
+    state: SharedState,
+    resources: list[ResourceConfig],
+    *,
+    deadline_s: float,
+    probe: SystemProbe | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Sample memory and CPU every poll interval, or sooner when a sample is requested.
+
+    Reports started after the first attempt, successful or not, so start-up never waits
+    on a hung probe. Runs until cancelled; a failed or late sample marks the resources
+    unavailable and the old reading ages out to stale on its own.
+    """
+    probe = probe or SystemProbe()
+    names = [r.name for r in resources if r.kind in (ResourceKind.MEMORY, ResourceKind.CPU)]
+    started = False
+    while True:
+        # The sample's time is when it was asked for: a slow probe must not look fresher.
+        asked_at = trio.current_time()
+        try:
+            reading = await run_probe(probe.read, deadline_s)
+        except ProbeTimeout as exc:
+            for name in names:
+                state.mark_unavailable(name, str(exc))
+            log.warning("system capacity probe timed out after %.1fs", deadline_s)
+        except (OSError, psutil.Error) as exc:
+            for name in names:
+                state.mark_unavailable(name, f"psutil failed: {exc}")
+            log.warning("system capacity probe failed: %s", exc)
+        else:
+            for observation in observations_from(reading, resources, asked_at):
+                state.record_observation(observation)
+        if not started:
+            task_status.started()
+            started = True
+        with trio.move_on_after(state.poll_interval_s):
+            await state.wait_sample_requested()

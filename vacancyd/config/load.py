@@ -1,0 +1,339 @@
+"""Load TOML into the frozen schema, strictly, reporting every problem with its key path.
+
+cattrs' defaults are too forgiving for a daemon that guards someone's desktop: "false" is
+truthy, 80.9 truncates to 80 and unknown keys are ignored. The converter here refuses all
+three, and structural errors, range errors and cross-field errors are collected into one
+ConfigError so the operator fixes the file in one pass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.cols import is_mapping, is_sequence, list_structure_factory, mapping_structure_factory
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_structure_fn
+from cattrs.v import format_exception, transform_error
+
+from vacancyd.config.addresses import HostPort, is_loopback_host, parse_listen, parse_target
+from vacancyd.config.schema import Config, ResourceConfig, Scope, UpstreamConfig
+from vacancyd.errors import ConfigError
+from vacancyd.model import ResourceKind
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _strict_int(value: Any, _: type) -> int:
+    if type(value) is not int:
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _strict_float(value: Any, _: type) -> float:
+    # TOML writes 30 and 30.0 differently; both are fine where a float is wanted.
+    if type(value) not in (int, float):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _strict_bool(value: Any, _: type) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"expected true or false, got {value!r}")
+    return bool(value)
+
+
+def _strict_str(value: Any, _: type) -> str:
+    if type(value) is not str:
+        raise ValueError(f"expected a string, got {value!r}")
+    return str(value)
+
+
+def _device(value: Any, _: type) -> int | str | None:
+    if value is None or type(value) in (int, str):
+        return value  # type: ignore[no-any-return]
+    raise ValueError(f"expected an index or an identity string, got {value!r}")
+
+
+def _shape_checked(expected: type, name: str, inner: Any) -> Any:
+    """Wrap a structure hook so a value of the wrong shape is refused with a plain message.
+
+    Without this a string where a list belongs is split into letters, and a scalar where
+    a table belongs fails inside cattrs with an AttributeError about `.keys`.
+    """
+
+    def hook(value: Any, type_: Any) -> Any:
+        if not isinstance(value, expected):
+            raise ValueError(f"expected {name}, got {value!r}")  # noqa: TRY004 - cattrs reports ValueErrors by message
+        return inner(value, type_)
+
+    return hook
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook_factory(
+        is_sequence,
+        lambda t, c: _shape_checked(list, "a list", list_structure_factory(t, c)),
+    )
+    converter.register_structure_hook_factory(
+        is_mapping,
+        lambda t, c: _shape_checked(dict, "a table", mapping_structure_factory(t, c)),
+    )
+    converter.register_structure_hook_factory(
+        attrs.has,
+        lambda t, c: _shape_checked(
+            dict,
+            "a table",
+            make_dict_structure_fn(t, c, _cattrs_forbid_extra_keys=True),
+        ),
+    )
+    converter.register_structure_hook(int, _strict_int)
+    converter.register_structure_hook(float, _strict_float)
+    converter.register_structure_hook(bool, _strict_bool)
+    converter.register_structure_hook(str, _strict_str)
+    converter.register_structure_hook(int | str | None, _device)
+    return converter
+
+
+_CONVERTER = _make_converter()
+
+
+def _format_leaf(exc: BaseException, type_: type | None) -> str:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return "unknown key(s): " + ", ".join(sorted(exc.extra_fields))
+    if isinstance(exc, ValueError) and not isinstance(exc, cattrs.BaseValidationError):
+        return str(exc)
+    if isinstance(exc, KeyError):
+        return "required key is missing"
+    return format_exception(exc, type_)
+
+
+def _key_path(message: str) -> str:
+    """Turn cattrs' "why @ $.a.b[0]" into "a.b[0]: why", with the key path first."""
+    why, _, where = message.rpartition(" @ ")
+    where = where.removeprefix("$").removeprefix(".") or "(top level)"
+    # Keys of a name-keyed table read as they are written in TOML: models."llama3:8b".
+    where = re.sub(r"\['((?:[^'\\]|\\.)*)'\]", r'."\1"', where)
+    return f"{where}: {why}"
+
+
+def default_config_text() -> str:
+    return resources.files("vacancyd.config").joinpath("default.toml").read_text("utf-8")
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load a file, or the embedded loopback-only default when no path is given."""
+    if path is None:
+        return parse_config(default_config_text(), source="<embedded default>")
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text: {exc}"]) from exc
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text: str, *, source: str = "<config>") -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: TOML syntax error: {exc}"]) from exc
+    try:
+        config = _CONVERTER.structure(raw, Config)
+    except (ClassValidationError, IterableValidationError) as exc:
+        messages = [_key_path(m) for m in transform_error(exc, format_exception=_format_leaf)]
+        raise ConfigError(messages) from exc
+    problems = list(_range_problems(config, "")) + list(_cross_field_problems(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _range_problems(value: Any, path: str) -> Iterator[str]:
+    """Walk the tree checking `ge`/`gt` metadata, so range errors carry key paths too."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _range_problems(item, f"{path}[{index}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _range_problems(item, f'{path}."{key}"' if path else f'"{key}"')
+        return
+    if not attrs.has(type(value)):
+        return
+    for field in attrs.fields(type(value)):
+        item = getattr(value, field.name)
+        where = f"{path}.{field.name}" if path else field.name
+        if isinstance(item, int | float) and not isinstance(item, bool):
+            if "ge" in field.metadata and item < field.metadata["ge"]:
+                yield f"{where}: must be at least {field.metadata['ge']:g}, got {item}"
+            if "gt" in field.metadata and item <= field.metadata["gt"]:
+                yield f"{where}: must be greater than {field.metadata['gt']:g}, got {item}"
+        else:
+            yield from _range_problems(item, where)
+
+
+def _cross_field_problems(config: Config) -> Iterator[str]:
+    resources_by_name: dict[str, ResourceConfig] = {}
+    for index, resource in enumerate(config.resource):
+        where = f"resource[{index}]"
+        if resource.name in resources_by_name:
+            yield f"{where}.name: resource {resource.name!r} is declared twice"
+        resources_by_name[resource.name] = resource
+        yield from _resource_problems(resource, where)
+
+    listeners: dict[HostPort, str] = {}
+    api = _listen_or_problem(config.server.api_listen, "server.api_listen", listeners)
+    if isinstance(api, str):
+        yield api
+    elif not api.is_loopback and not _has_scope(config, Scope.READ, Scope.ADMIN):
+        yield from _open_remote_problem(
+            config, "server.api_listen", "no token has the read or admin scope"
+        )
+
+    upstream_names: set[str] = set()
+    for index, upstream in enumerate(config.upstream):
+        where = f"upstream[{index}]"
+        if upstream.name in upstream_names:
+            yield f"{where}.name: upstream {upstream.name!r} is declared twice"
+        upstream_names.add(upstream.name)
+        bound = _listen_or_problem(upstream.listen, f"{where}.listen", listeners)
+        if isinstance(bound, str):
+            yield bound
+        elif not bound.is_loopback and not _has_scope(config, Scope.BORROW):
+            yield from _open_remote_problem(
+                config, f"{where}.listen", "no token has the borrow scope"
+            )
+        yield from _upstream_problems(upstream, where, resources_by_name)
+
+    for index, token in enumerate(config.auth.tokens):
+        yield from _token_problems(token.sha256, token.file, token.scopes, f"auth.tokens[{index}]")
+
+
+def _resource_problems(resource: ResourceConfig, where: str) -> Iterator[str]:
+    if resource.kind is ResourceKind.NVIDIA_GPU:
+        if resource.device is None:
+            yield f"{where}.device: required for an nvidia_gpu (an index, PCI bus id or UUID)"
+    else:
+        if resource.device is not None:
+            yield f"{where}.device: only an nvidia_gpu resource names a device"
+        if resource.pressure is not None:
+            yield f"{where}.pressure: pressure is attributed for nvidia_gpu resources only"
+    if resource.kind is ResourceKind.CPU and resource.keep_free_mib:
+        yield f"{where}.keep_free_mib: a cpu resource has no byte capacity"
+    if resource.max_utilization_pct is not None and resource.max_utilization_pct > 100:
+        yield f"{where}.max_utilization_pct: must be at most 100"
+    pressure = resource.pressure
+    threshold = pressure.threshold_pct if pressure is not None else None
+    if pressure is not None and threshold is not None and threshold > pressure.cap_pct:
+        yield f"{where}.pressure.threshold_pct: must not exceed cap_pct ({pressure.cap_pct:g})"
+
+
+def _upstream_problems(
+    upstream: UpstreamConfig, where: str, known: dict[str, ResourceConfig]
+) -> Iterator[str]:
+    try:
+        parse_target(upstream.target)
+    except ValueError as exc:
+        yield f"{where}.target: {exc}"
+    if upstream.resource not in known:
+        yield f"{where}.resource: unknown resource {upstream.resource!r}"
+    seen = {upstream.resource}
+    for position, name in enumerate(upstream.also_requires):
+        if name not in known:
+            yield f"{where}.also_requires[{position}]: unknown resource {name!r}"
+        elif name in seen:
+            yield f"{where}.also_requires[{position}]: resource {name!r} is listed twice"
+        seen.add(name)
+    footprints = {"default_need_mib": upstream.default_need_mib}
+    footprints.update({f'models."{m}".need_mib': c.need_mib for m, c in upstream.models.items()})
+    for key, table in footprints.items():
+        for resource_name, mib in table.items():
+            if resource_name not in seen:
+                yield (
+                    f'{where}.{key}."{resource_name}": not one of this upstream\'s resources '
+                    f"({', '.join(sorted(seen))})"
+                )
+            elif not known[resource_name].kind.has_bytes:
+                yield f'{where}.{key}."{resource_name}": a cpu resource has no MiB to charge'
+            if mib < 0:
+                yield f'{where}.{key}."{resource_name}": must be at least 0, got {mib}'
+
+
+def _token_problems(
+    digest: str | None, file: str | None, scopes: list[Scope], where: str
+) -> Iterator[str]:
+    if (digest is None) == (file is None):
+        yield f"{where}: give exactly one of sha256 or file"
+    if digest is not None and not _SHA256_HEX.match(digest):
+        yield f"{where}.sha256: must be 64 lowercase hex digits (sha256 of the token)"
+    if not scopes:
+        yield f"{where}.scopes: at least one of borrow, read, admin"
+
+
+def _listen_or_problem(text: str, where: str, seen: dict[HostPort, str]) -> HostPort | str:
+    try:
+        address = parse_listen(text)
+    except ValueError as exc:
+        return f"{where}: {exc}"
+    if address.port != 0:
+        for other, other_where in seen.items():
+            if _same_socket(address, other):
+                return f"{where}: {address} is already used by {other_where}"
+        seen[address] = where
+    return address
+
+
+_WILDCARDS = {"0.0.0.0", "::"}
+
+
+def _same_socket(a: HostPort, b: HostPort) -> bool:
+    """Whether two listen addresses would collide when bound (ports 0 never do)."""
+    if a.port != b.port:
+        return False
+    hosts = {_canonical_host(a.host), _canonical_host(b.host)}
+    return len(hosts) == 1 or bool(hosts & _WILDCARDS)
+
+
+def _canonical_host(host: str) -> str:
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _open_remote_problem(config: Config, where: str, missing: str) -> Iterator[str]:
+    if not config.auth.allow_unauthenticated_remote:
+        yield (
+            f"{where}: listens beyond loopback but {missing}; add [[auth.tokens]] "
+            "or set auth.allow_unauthenticated_remote = true"
+        )
+
+
+def _has_scope(config: Config, *scopes: Scope) -> bool:
+    return any(scope in token.scopes for token in config.auth.tokens for scope in scopes)
+
+
+def resolve_state_dir(config: Config) -> Path:
+    """The configured state directory, or the platform default when it is left empty."""
+    if config.server.state_dir:
+        return Path(config.server.state_dir).expanduser()
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/vacancyd")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "vacancyd"
+
+
+__all__ = [
+    "default_config_text",
+    "is_loopback_host",
+    "load_config",
+    "parse_config",
+    "resolve_state_dir",
+]

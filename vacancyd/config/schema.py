@@ -1,0 +1,197 @@
+"""The configuration's shape: frozen attrs classes whose field names are the TOML keys.
+
+Field names match the file exactly so that an error's key path is the path the operator
+typed. Range rules live in field metadata (`ge`, `gt`, `le`) and are checked by the
+loader with paths, because attrs validators would report them without one.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from vacancyd.model import OwnerScope, ResourceKind
+
+
+def _ge(bound: float) -> dict[str, float]:
+    return {"ge": bound}
+
+
+def _gt(bound: float) -> dict[str, float]:
+    return {"gt": bound}
+
+
+class Scope(enum.Enum):
+    """What a bearer token may reach: borrow (the proxies), read (status, metrics), admin."""
+
+    BORROW = "borrow"
+    READ = "read"
+    ADMIN = "admin"
+
+
+class PresenceBackend(enum.Enum):
+    AUTO = "auto"
+    LOGIND = "logind"
+    HEADLESS = "headless"
+
+
+class AdapterName(enum.Enum):
+    OLLAMA = "ollama"
+    OPENAI = "openai"
+    LLAMACPP = "llamacpp"
+    # comfyui and chatterbox arrive with the hardened proxy.
+
+
+class OnOwnerReturn(enum.Enum):
+    DRAIN = "drain"
+    CANCEL = "cancel"
+    FINISH = "finish"
+
+
+class Management(enum.Enum):
+    DENY = "deny"
+    ALLOW = "allow"
+
+
+class LogLevel(enum.Enum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+@attrs.frozen
+class LimitsConfig:
+    """Bounds that keep a slow or hostile client from holding a listener's resources."""
+
+    max_request_body_mib: int = attrs.field(default=64, metadata=_gt(0))
+    # None: 256 MiB, or max_request_body_mib if that is larger.
+    max_buffered_body_mib: int | None = attrs.field(default=None, metadata=_gt(0))
+    header_timeout_s: float = attrs.field(default=10.0, metadata=_gt(0))
+    body_read_timeout_s: float = attrs.field(default=120.0, metadata=_gt(0))
+    body_idle_timeout_s: float = attrs.field(default=30.0, metadata=_gt(0))
+    write_stall_timeout_s: float = attrs.field(default=60.0, metadata=_gt(0))
+    max_connections: int = attrs.field(default=512, metadata=_ge(1))
+    max_websockets: int = attrs.field(default=64, metadata=_ge(1))
+    websocket_idle_timeout_s: float = attrs.field(default=600.0, metadata=_gt(0))
+    upstream_connect_timeout_s: float = attrs.field(default=5.0, metadata=_gt(0))
+
+    @property
+    def buffered_budget_mib(self) -> int:
+        if self.max_buffered_body_mib is not None:
+            return self.max_buffered_body_mib
+        return max(256, self.max_request_body_mib)
+
+
+@attrs.frozen
+class ServerConfig:
+    api_listen: str = "127.0.0.1:9460"
+    poll_interval_s: float = attrs.field(default=3.0, metadata=_gt(0))
+    # Empty means the platform default: /var/lib/vacancyd for root, else the XDG state dir.
+    state_dir: str = ""
+    log_level: LogLevel = LogLevel.INFO
+    shutdown_grace_s: float = attrs.field(default=10.0, metadata=_gt(0))
+    probe_deadline_s: float = attrs.field(default=2.0, metadata=_gt(0))
+    limits: LimitsConfig = attrs.Factory(LimitsConfig)
+
+
+@attrs.frozen
+class TokenConfig:
+    """A bearer token, stored so that a leaked config file does not leak it.
+
+    Either `sha256` (hex digest of the token) or `file` (a private file holding the token
+    itself, which is also how the CLI finds a credential) must be given, not both.
+    """
+
+    name: str
+    scopes: list[Scope]
+    sha256: str | None = None
+    file: str | None = None
+
+
+@attrs.frozen
+class AuthConfig:
+    tokens: list[TokenConfig] = attrs.Factory(list)
+    # The owner at the keyboard: requests from 127.0.0.0/8 and ::1 pass without a token.
+    trust_loopback: bool = True
+    allow_unauthenticated_remote: bool = False
+
+
+@attrs.frozen
+class OwnerConfig:
+    presence: PresenceBackend = PresenceBackend.AUTO
+    release_after_s: float = attrs.field(default=60.0, metadata=_ge(0))
+    lend_when_locked: bool = True
+    lend_when_idle: bool = True
+    owner_processes: list[str] = attrs.Factory(list)
+
+
+@attrs.frozen
+class PressureConfig:
+    """Attributed owner load on a GPU. `threshold_pct` unset means a learned threshold."""
+
+    enabled: bool = True
+    threshold_pct: float | None = attrs.field(default=None, metadata=_gt(0))
+    cap_pct: float = attrs.field(default=30.0, metadata=_gt(0))
+    poll_ms: int = attrs.field(default=1000, metadata=_ge(100))
+    engage_after_s: float = attrs.field(default=2.0, metadata=_ge(0))
+    release_after_s: float = attrs.field(default=30.0, metadata=_ge(0))
+
+
+@attrs.frozen
+class ResourceConfig:
+    name: str
+    kind: ResourceKind
+    enabled: bool = True
+    # nvidia_gpu only: index, PCI bus id ("0000:01:00.0") or UUID ("GPU-...").
+    device: int | str | None = None
+    # Capacity policy: memory the owner always keeps (memory, nvidia_gpu) ...
+    keep_free_mib: int = attrs.field(default=0, metadata=_ge(0))
+    # ... and the utilisation above which the resource is not lent (cpu, nvidia_gpu).
+    max_utilization_pct: float | None = attrs.field(default=None, metadata=_gt(0))
+    pressure: PressureConfig | None = None
+
+
+@attrs.frozen
+class ModelConfig:
+    """A measured footprint: MiB that must be spare on each named resource to load it."""
+
+    need_mib: dict[str, int] = attrs.Factory(dict)
+
+
+@attrs.frozen
+class UpstreamConfig:
+    name: str
+    adapter: AdapterName
+    listen: str
+    target: str
+    resource: str
+    also_requires: list[str] = attrs.Factory(list)
+    owner_scope: OwnerScope = OwnerScope.HOST
+    on_owner_return: OnOwnerReturn = OnOwnerReturn.DRAIN
+    drain_timeout_s: float = attrs.field(default=30.0, metadata=_ge(0))
+    completion_timeout_s: float = attrs.field(default=600.0, metadata=_gt(0))
+    yield_on_veto: bool = True
+    management: Management = Management.DENY
+    forward_authorization: bool = False
+    # A file holding the credential vacancyd presents to the upstream itself.
+    credential_file: str | None = None
+    default_need_mib: dict[str, int] = attrs.Factory(dict)
+    models: dict[str, ModelConfig] = attrs.Factory(dict)
+    resident_min_free_mib: int = attrs.field(default=0, metadata=_ge(0))
+
+
+@attrs.frozen
+class Config:
+    server: ServerConfig = attrs.Factory(ServerConfig)
+    auth: AuthConfig = attrs.Factory(AuthConfig)
+    owner: OwnerConfig = attrs.Factory(OwnerConfig)
+    resource: list[ResourceConfig] = attrs.Factory(list)
+    upstream: list[UpstreamConfig] = attrs.Factory(list)
+
+    def resource_named(self, name: str) -> ResourceConfig:
+        for resource in self.resource:
+            if resource.name == name:
+                return resource
+        raise KeyError(name)

@@ -1,0 +1,169 @@
+"""The admission decision, as a pure function of frozen inputs.
+
+No I/O, no clock, no trio: everything time-dependent (freshness, hysteresis) has already
+been judged by the shared state and arrives here as plain values. That keeps the order of
+the rules readable in one place and testable as a table.
+
+The rules run in a fixed order and the first one that applies wins, so a refusal always
+names the most fundamental reason (lending off beats an absent owner, which beats a busy
+GPU). The ledger's one-job-per-resource check runs after this, outside the pure decision.
+"""
+
+from __future__ import annotations
+
+from vacancyd.model import (
+    RETRY_INSUFFICIENT_CAPACITY,
+    RETRY_LENDING_DISABLED,
+    RETRY_OWNER_VETO,
+    RETRY_PRESENCE_UNSAMPLED,
+    RETRY_RESOURCE_DISABLED,
+    RETRY_RESOURCE_PRESSURED,
+    RETRY_RESOURCE_UNMEASURED,
+    RETRY_SESSION_INCOMPLETE,
+    Admit,
+    Decision,
+    GateInput,
+    ModelNeed,
+    OwnerScope,
+    PresenceView,
+    PressureQuality,
+    Quality,
+    Reason,
+    Refuse,
+    ResourceView,
+)
+
+
+def decide(question: GateInput) -> Decision:
+    """Admit or refuse one borrowed request; never raises for any well-typed input."""
+    if not question.lending_enabled:
+        return Refuse(
+            Reason.LENDING_DISABLED,
+            RETRY_LENDING_DISABLED,
+            "the owner has paused lending on this machine",
+        )
+    if question.owner_scope is OwnerScope.HOST:
+        refusal = owner_refusal(question.presence)
+        if refusal is not None:
+            return refusal
+    for resource in question.resources:
+        refusal = resource_refusal(resource)
+        if refusal is not None:
+            return refusal
+    refusal = _check_model_capacity(question.resources, question.need)
+    if refusal is not None:
+        return refusal
+    return Admit(_admit_detail(question.need))
+
+
+def owner_refusal(presence: PresenceView) -> Refuse | None:
+    """Steps 2 to 4: presence sampled and fresh, the session readable, no veto.
+
+    A resource-scoped upstream never reaches this: it opted out of owner presence, so it
+    can be neither refused nor reclaimed because of it.
+    """
+    if not presence.sampled:
+        return Refuse(
+            Reason.OWNER_ACTIVE,
+            RETRY_PRESENCE_UNSAMPLED,
+            "owner presence has not been sampled since start-up",
+        )
+    if not presence.fresh:
+        return Refuse(
+            Reason.OWNER_ACTIVE,
+            RETRY_PRESENCE_UNSAMPLED,
+            f"owner presence reading is stale{_suffix(presence.detail)}",
+        )
+    if not presence.evidence_complete:
+        return Refuse(
+            Reason.OWNER_ACTIVE,
+            RETRY_SESSION_INCOMPLETE,
+            f"the owner's session cannot be read clearly{_suffix(presence.detail)}",
+        )
+    if presence.veto_engaged:
+        return Refuse(
+            Reason.OWNER_ACTIVE,
+            RETRY_OWNER_VETO,
+            f"the owner is using this machine{_suffix(presence.detail)}",
+        )
+    return None
+
+
+def resource_refusal(resource: ResourceView) -> Refuse | None:
+    """Step 5, for one resource: switch, capacity quality, capacity policy, pressure."""
+    name = resource.name
+    if not resource.switch_on:
+        return Refuse(
+            Reason.RESOURCE_DISABLED,
+            RETRY_RESOURCE_DISABLED,
+            f"lending of {name} is switched off",
+            resource=name,
+        )
+    if resource.quality is not Quality.READY:
+        return Refuse(
+            Reason.RESOURCE_UNMEASURED,
+            RETRY_RESOURCE_UNMEASURED,
+            f"capacity of {name} is {resource.quality.value}{_suffix(resource.quality_detail)}",
+            resource=name,
+        )
+    if not resource.lendable:
+        return Refuse(
+            Reason.INSUFFICIENT_CAPACITY,
+            RETRY_INSUFFICIENT_CAPACITY,
+            f"{name} is below its lending policy{_suffix(resource.policy_detail)}",
+            resource=name,
+        )
+    pressure = resource.pressure
+    if pressure is not None:
+        if pressure.quality is not PressureQuality.READY:
+            return Refuse(
+                Reason.RESOURCE_UNMEASURED,
+                RETRY_RESOURCE_UNMEASURED,
+                f"owner load on {name} is {pressure.quality.value}{_suffix(pressure.detail)}",
+                resource=name,
+            )
+        if pressure.engaged:
+            return Refuse(
+                Reason.RESOURCE_PRESSURED,
+                RETRY_RESOURCE_PRESSURED,
+                f"the owner is loading {name}{_suffix(pressure.detail)}",
+                resource=name,
+            )
+    return None
+
+
+def _check_model_capacity(resources: tuple[ResourceView, ...], need: ModelNeed) -> Refuse | None:
+    """Step 6: the request's model must fit in what each budgeted resource has spare."""
+    for resource in resources:
+        if resource.spare_mib is None or resource.name not in need.need_mib:
+            continue
+        charge = charged_mib(need, resource.name)
+        if resource.spare_mib < charge:
+            model = need.model or "the default model"
+            credit = f"; {need.credit_detail}" if need.credit_detail else ""
+            return Refuse(
+                Reason.INSUFFICIENT_CAPACITY,
+                RETRY_INSUFFICIENT_CAPACITY,
+                f"{model} needs {charge} MiB of {resource.name}, "
+                f"{resource.spare_mib} MiB is spare{credit}",
+                resource=resource.name,
+            )
+    return None
+
+
+def charged_mib(need: ModelNeed, resource: str) -> int:
+    """The MiB a request is charged on one resource; residency, once proved, costs less."""
+    full = need.need_mib.get(resource, 0)
+    if need.resident_credit:
+        return min(need.resident_min_free_mib, full)
+    return full
+
+
+def _admit_detail(need: ModelNeed) -> str:
+    if need.resident_credit:
+        return f"admitted with residency credit for {need.model}"
+    return "admitted"
+
+
+def _suffix(detail: str) -> str:
+    return f" ({detail})" if detail else ""

@@ -1,0 +1,207 @@
+"""Value types shared by every layer of vacancyd.
+
+Everything here is a frozen attrs value with no behaviour that touches the outside world:
+no clock, no I/O, no trio. The gate decides from these values alone, which is what lets
+its tests be plain tables and lets the API print exactly what a decision saw.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Quality(enum.Enum):
+    """How far a reading can be trusted.
+
+    UNKNOWN means nothing usable was ever read (or the probe cannot run); STALE means a
+    reading exists but is older than its freshness bound. Both refuse: a plausible default
+    would let a dead collector lend the machine.
+    """
+
+    UNKNOWN = "unknown"
+    READY = "ready"
+    STALE = "stale"
+
+
+class ResourceKind(enum.Enum):
+    MEMORY = "memory"
+    CPU = "cpu"
+    NVIDIA_GPU = "nvidia_gpu"
+
+    @property
+    def has_bytes(self) -> bool:
+        """CPU has no byte capacity; memory and VRAM do, and only those are budgeted."""
+        return self is not ResourceKind.CPU
+
+
+class OwnerScope(enum.Enum):
+    """Whether an upstream answers to the owner's presence ("host") or only to its resources."""
+
+    HOST = "host"
+    RESOURCE = "resource"
+
+
+class Reason(enum.Enum):
+    """Why a borrowed request was refused; the value is the wire code gateways see."""
+
+    LENDING_DISABLED = "lending_disabled"
+    OWNER_ACTIVE = "owner_active"
+    RESOURCE_DISABLED = "resource_disabled"
+    RESOURCE_UNMEASURED = "resource_unmeasured"
+    INSUFFICIENT_CAPACITY = "insufficient_capacity"
+    RESOURCE_PRESSURED = "resource_pressured"
+    RESOURCE_BUSY = "resource_busy"
+
+
+class PressureQuality(enum.Enum):
+    """A pressure guard adds UNCALIBRATED: it reads, but has not learned a threshold yet."""
+
+    UNKNOWN = "unknown"
+    STALE = "stale"
+    UNCALIBRATED = "uncalibrated"
+    READY = "ready"
+
+
+class SessionState(enum.Enum):
+    """What a presence backend saw at the machine's console.
+
+    UNREADABLE is a session that exists but could not be read clearly; it refuses
+    host-scoped work. NO_BACKEND is the platform without a presence source: an honest
+    unknown that, as documented, gates on capacity alone.
+    """
+
+    LOGGED_OUT = "logged_out"
+    ACTIVE = "active"
+    IDLE = "idle"
+    LOCKED = "locked"
+    UNREADABLE = "unreadable"
+    NO_BACKEND = "no_backend"
+
+
+@attrs.frozen
+class Observation:
+    """One capacity reading of one resource, stamped with trio time when it was taken."""
+
+    resource: str
+    taken_at: float
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    utilization_pct: float | None = None
+    detail: str = ""
+
+
+@attrs.frozen
+class PresenceReading:
+    """One sample of who is at the machine, stamped with trio time."""
+
+    backend: str
+    taken_at: float
+    session: SessionState
+    owner_programs: tuple[str, ...] = ()
+    detail: str = ""
+
+
+@attrs.frozen
+class PressureView:
+    """The per-resource pressure guard as the gate sees it."""
+
+    quality: PressureQuality
+    engaged: bool = False
+    detail: str = ""
+
+
+@attrs.frozen
+class ResourceView:
+    """Everything the gate needs about one resource, already judged for freshness.
+
+    `lendable` is the resource's capacity policy applied to the reading (for example "keep
+    2 GiB free for the owner"); `spare_mib` is what may be charged to a borrowed model
+    after that reserve, or None where the resource has no byte capacity.
+    """
+
+    name: str
+    switch_on: bool
+    quality: Quality
+    lendable: bool = True
+    policy_detail: str = ""
+    spare_mib: int | None = None
+    pressure: PressureView | None = None
+    quality_detail: str = ""
+
+
+@attrs.frozen
+class PresenceView:
+    """The owner's side of the decision, already judged for freshness."""
+
+    sampled: bool
+    fresh: bool
+    evidence_complete: bool
+    veto_engaged: bool
+    detail: str = ""
+
+
+@attrs.frozen
+class ModelNeed:
+    """What one request would cost on each budgeted resource, in MiB.
+
+    `resident_credit` is set only when residency was proved; the gate then charges
+    `resident_min_free_mib` instead of the load requirement.
+    """
+
+    model: str | None
+    need_mib: dict[str, int] = attrs.field(factory=dict)
+    resident_credit: bool = False
+    resident_min_free_mib: int = 0
+    credit_detail: str = ""
+
+
+@attrs.frozen
+class GateInput:
+    """One complete, frozen question to the gate."""
+
+    upstream: str
+    owner_scope: OwnerScope
+    lending_enabled: bool
+    presence: PresenceView
+    resources: tuple[ResourceView, ...]
+    need: ModelNeed
+
+
+@attrs.frozen
+class Admit:
+    detail: str = ""
+
+    @property
+    def admitted(self) -> bool:
+        return True
+
+
+@attrs.frozen
+class Refuse:
+    reason: Reason
+    retry_after_s: int
+    detail: str
+    resource: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return False
+
+
+Decision = Admit | Refuse
+
+# Retry hints a gateway sees for each refusal. owner_active has three: presence not yet
+# (or no longer) sampled, a session that cannot be read clearly, and the owner's veto.
+RETRY_LENDING_DISABLED = 300
+RETRY_PRESENCE_UNSAMPLED = 5
+RETRY_SESSION_INCOMPLETE = 30
+RETRY_OWNER_VETO = 120
+RETRY_RESOURCE_DISABLED = 300
+RETRY_RESOURCE_UNMEASURED = 30
+RETRY_INSUFFICIENT_CAPACITY = 30
+RETRY_RESOURCE_PRESSURED = 30
+RETRY_RESOURCE_BUSY = 2
+
+MIB = 1024 * 1024

@@ -1,0 +1,1 @@
+"""The gated reverse proxy: one listener per [[upstream]]."""

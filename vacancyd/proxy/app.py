@@ -1,0 +1,308 @@
+"""The ASGI application behind one upstream's listener.
+
+This is raw ASGI rather than a Quart app on purpose: Quart buffers request bodies eagerly
+with no backpressure, routes on the percent-decoded path, and cuts long responses at its
+response timeout. Every decision here is made on `raw_path`, bodies are read under the
+listener's limits, and responses stream for as long as the upstream produces them.
+
+Order for each request: authenticate, classify, then by class: refuse, forward
+unconditionally, or (work) read the body, admit through gate and ledger, forward, release.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from vacancyd.adapters import Adapter, Classification, RouteClass
+from vacancyd.admission import Admission, Reservation
+from vacancyd.auth import Authenticator
+from vacancyd.config import LimitsConfig, Management, Scope, UpstreamConfig, parse_target
+from vacancyd.errors import UpstreamUnavailable
+from vacancyd.model import MIB, Refuse
+from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
+from vacancyd.proxy.forward import DisconnectWatch, open_upstream
+from vacancyd.proxy.headers import header_value, request_headers
+from vacancyd.proxy.replies import send_error, send_refusal
+
+log = logging.getLogger(__name__)
+
+
+class ProxyApp:
+    def __init__(
+        self,
+        upstream: UpstreamConfig,
+        adapter: Adapter,
+        admission: Admission,
+        auth: Authenticator,
+        limits: LimitsConfig,
+        client: Any,
+        credential: str | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.adapter = adapter
+        self.target = parse_target(upstream.target)
+        self._admission = admission
+        self._auth = auth
+        self._limits = limits
+        self._client = client
+        self._credential = credential
+        self._max_body = limits.max_request_body_mib * MIB
+        self.budget = BodyBudget(limits.buffered_budget_mib * MIB)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            # WebSocket tunnelling arrives with the hardened proxy; until then, refuse.
+            await send({"type": "websocket.close", "code": 1008})
+        elif kind == "lifespan":
+            await _lifespan(receive, send)
+
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        method: str = scope["method"]
+        client = scope.get("client")
+        authorization = header_value(headers, b"authorization")
+        verdict = self._auth.check(
+            authorization.decode("latin-1") if authorization else None,
+            client[0] if client else None,
+            Scope.BORROW,
+        )
+        if not verdict.allowed:
+            await send_error(send, verdict.status, verdict.code, verdict.message)
+            return
+        if header_value(headers, b"content-length") is not None and _is_chunked(headers):
+            await send_error(
+                send, 400, "ambiguous_framing", "Content-Length together with chunked encoding"
+            )
+            return
+        found = self.adapter.classify(method, scope["raw_path"], scope["query_string"])
+        match found.route_class:
+            case RouteClass.WORK:
+                await self._work(found, scope, receive, send)
+            case RouteClass.PASS | RouteClass.RESULTS:
+                await self._pass(found, scope, receive, send)
+            case RouteClass.MANAGEMENT | RouteClass.UNKNOWN if method in ("GET", "HEAD"):
+                if self.upstream.management is Management.ALLOW and found.path:
+                    await self._pass(found, scope, receive, send)
+                else:
+                    await self._deny_management(found, send)
+            case _:
+                await send_error(
+                    send,
+                    501,
+                    "route_not_recognised",
+                    f"{method} {found.path or '?'} is not a route the {self.adapter.name} "
+                    f"adapter recognises, so it is not forwarded; if the upstream really has "
+                    "it, report the route and the upstream's version to the vacancyd maintainers",
+                )
+
+    async def _deny_management(self, found: Classification, send: Any) -> None:
+        reads = self.adapter.listed_reads()
+        await send_error(
+            send,
+            403,
+            "management_denied",
+            f"{found.path or 'this path'} is not a read a borrower may make "
+            f"({found.why or 'a management read'}); borrowers may read: {', '.join(reads)}",
+            allowed_reads=reads,
+        )
+
+    async def _pass(
+        self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
+    ) -> None:
+        body = await self._read_within_limits(scope, receive, send)
+        if body is None:
+            return
+        await self._forward(found, scope, receive, send, body, reservation=None)
+
+    async def _work(
+        self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
+    ) -> None:
+        body = await self._read_within_limits(scope, receive, send)
+        if body is None:
+            return
+        model: str | None = None
+        if found.route is not None and found.route.json_body:
+            parsed = _parse_json_object(body)
+            if isinstance(parsed, str):
+                await send_error(send, 400, "invalid_json", parsed)
+                return
+            refusal = self.adapter.refuse_body and self.adapter.refuse_body(found.path, parsed)
+            if refusal:
+                await send_error(send, 400, "not_lendable", refusal)
+                return
+            model = self.adapter.model_from_body(parsed)
+        outcome = await self._admission.admit(self.upstream, model)
+        if isinstance(outcome, Refuse):
+            log.info(
+                "refused %s %s on %s: %s (%s)",
+                scope["method"],
+                found.path,
+                self.upstream.name,
+                outcome.reason.value,
+                outcome.detail,
+            )
+            await send_refusal(send, outcome)
+            return
+        try:
+            await self._forward(found, scope, receive, send, body, reservation=outcome)
+        finally:
+            self._admission.release(outcome)
+
+    async def _read_within_limits(
+        self, scope: dict[str, Any], receive: Any, send: Any
+    ) -> bytes | None:
+        """The request body, or None once a refusal has been sent."""
+        headers = scope["headers"]
+        declared = header_value(headers, b"content-length")
+        declared_size = int(declared) if declared is not None and declared.isdigit() else None
+        if declared_size == 0 or (declared_size is None and not _is_chunked(headers)):
+            return b""
+        if declared_size is not None and declared_size > self._max_body:
+            await send_error(
+                send,
+                413,
+                "body_too_large",
+                f"request body of {declared_size} bytes exceeds the "
+                f"{self._limits.max_request_body_mib} MiB limit",
+                close=True,
+            )
+            await self._drain(receive)
+            return None
+        reserved = declared_size if declared_size is not None else self._max_body
+        if not self.budget.try_reserve(reserved):
+            await send_error(
+                send,
+                503,
+                "body_budget_exhausted",
+                "this listener is holding as many request bodies as it may; retry shortly",
+                retry_after_s=1,
+                close=True,
+            )
+            await self._drain(receive)
+            return None
+        try:
+            return await read_body(receive, limit_bytes=self._max_body, limits=self._limits)
+        except ClientGone:
+            return None
+        except BodyError as exc:
+            await send_error(send, exc.status, exc.code, str(exc), close=True)
+            if exc.status == 413:
+                await self._drain(receive)
+            return None
+        finally:
+            self.budget.release(reserved)
+
+    async def _drain(self, receive: Any) -> None:
+        await drain_body(
+            receive, limit_bytes=2 * self._max_body, deadline_s=self._limits.body_idle_timeout_s
+        )
+
+    async def _forward(
+        self,
+        found: Classification,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        body: bytes,
+        reservation: Reservation | None,
+    ) -> None:
+        headers = request_headers(
+            scope["headers"],
+            host=self.target.host_header,
+            forward_authorization=self.upstream.forward_authorization,
+            credential=self._credential,
+        )
+        started = False
+        with trio.CancelScope() as relay:
+            watch = DisconnectWatch(receive, relay)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch.run)
+                try:
+                    response = await open_upstream(
+                        self._client,
+                        self.target,
+                        scope["method"],
+                        found.path,
+                        scope["query_string"],
+                        headers,
+                        body,
+                    )
+                except UpstreamUnavailable as exc:
+                    log.warning("upstream %s unavailable: %s", self.upstream.name, exc)
+                    await send_error(
+                        send, 502, "upstream_unavailable", f"the upstream did not answer: {exc}"
+                    )
+                    nursery.cancel_scope.cancel()
+                    return
+                try:
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": response.status,
+                            "headers": response.headers,
+                        }
+                    )
+                    started = True
+                    await response.relay_body(send, watch)
+                except Exception as exc:
+                    # After the headers there is no honest way to report an error except to
+                    # break the stream, so the borrower never mistakes it for a clean end.
+                    log.warning(
+                        "stream from %s broke after %s: %s",
+                        self.upstream.name,
+                        "headers" if started else "request",
+                        exc,
+                    )
+                    raise UpstreamStreamBroken(str(exc)) from exc
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await response.aclose()
+                nursery.cancel_scope.cancel()
+        if watch.client_left:
+            log.info(
+                "client left %s %s on %s%s",
+                scope["method"],
+                found.path,
+                self.upstream.name,
+                f" (job {reservation.job_id})" if reservation else "",
+            )
+
+
+class UpstreamStreamBroken(Exception):
+    """Raised into the server so it aborts the client connection mid-response."""
+
+
+def _is_chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    value = header_value(headers, b"transfer-encoding")
+    return value is not None and b"chunked" in value.lower()
+
+
+def _parse_json_object(body: bytes) -> Mapping[str, Any] | str:
+    """The body as a JSON object, or a message saying why it is not one."""
+    if not body:
+        return "this route needs a JSON body"
+    try:
+        parsed = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"request body is not valid JSON: {exc}"
+    if not isinstance(parsed, dict):
+        return "request body must be a JSON object"
+    return parsed
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

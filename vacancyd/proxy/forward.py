@@ -1,0 +1,107 @@
+"""Relaying one request to the upstream and streaming its answer back, chunk by chunk.
+
+The upstream client is built so it adds nothing of its own: no environment proxies, no
+redirect following, no default Accept-Encoding or User-Agent. The path is sent byte for
+byte as classified (httpx would otherwise re-normalise it), so what the classifier
+judged is exactly what the upstream receives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any, cast
+
+import httpx
+import trio
+
+from vacancyd.config import LimitsConfig, Target
+from vacancyd.errors import UpstreamUnavailable
+from vacancyd.proxy.headers import response_headers
+
+log = logging.getLogger(__name__)
+
+
+def open_upstream_client(limits: LimitsConfig) -> httpx.AsyncClient:
+    """One pooled client per daemon; callers own the per-request deadlines."""
+    client = httpx.AsyncClient(
+        trust_env=False,
+        follow_redirects=False,
+        timeout=httpx.Timeout(
+            connect=limits.upstream_connect_timeout_s, read=None, write=None, pool=None
+        ),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+    )
+    client.headers.clear()
+    return client
+
+
+class DisconnectWatch:
+    """Cancels the relay when the client goes away; ASGI's send() never tells us."""
+
+    def __init__(self, receive: Any, cancel_scope: trio.CancelScope) -> None:
+        self._receive = receive
+        self._cancel_scope = cancel_scope
+        self.client_left = False
+        self.finishing = False
+
+    async def run(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                if not self.finishing:
+                    self.client_left = True
+                    self._cancel_scope.cancel()
+                return
+
+
+class UpstreamResponse:
+    """An upstream answer whose body is still to be streamed."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        self.headers = response_headers(response.headers.raw)
+
+    async def relay_body(self, send: Any, watch: DisconnectWatch) -> None:
+        """Send each chunk as it arrives; a broken upstream stream raises, never ends cleanly."""
+        chunks_iterator = cast(AsyncGenerator[bytes, None], self._response.aiter_raw())
+        async with aclosing(chunks_iterator) as chunks:
+            async for chunk in chunks:
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        # From here a disconnect is the server finishing the exchange, not the client leaving;
+        # cancelling now would abort the server's own close and keep-alive handling.
+        watch.finishing = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+async def open_upstream(
+    client: httpx.AsyncClient,
+    target: Target,
+    method: str,
+    path: str,
+    query: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> UpstreamResponse:
+    """Send the request and wait for the upstream's response headers."""
+    raw_target = (target.base_path + path).encode("ascii")
+    if query:
+        raw_target += b"?" + query
+    request = client.build_request(
+        method,
+        target.origin + (target.base_path + path or "/"),
+        headers=headers,
+        content=body if body or method not in ("GET", "HEAD") else None,
+        extensions={"target": raw_target},
+    )
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.TransportError as exc:
+        raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from exc
+    return UpstreamResponse(response)

@@ -1,0 +1,74 @@
+"""Which headers cross the proxy, in either direction.
+
+Hop-by-hop headers describe one connection, not the message, so they never cross; neither
+do headers the sender named in Connection, nor Proxy-* credentials meant for us.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+    }
+)
+
+# Set by us, or computed by the client from the body we hand it.
+_REQUEST_REPLACED = frozenset({b"host", b"content-length", b"expect"})
+
+
+def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            named.update(token.strip().lower() for token in value.split(b",") if token.strip())
+    return named
+
+
+def _crosses(name: bytes, named: set[bytes]) -> bool:
+    lower = name.lower()
+    return lower not in HOP_BY_HOP and lower not in named and not lower.startswith(b"proxy-")
+
+
+def request_headers(
+    headers: list[tuple[bytes, bytes]],
+    *,
+    host: str,
+    forward_authorization: bool,
+    credential: str | None,
+) -> list[tuple[bytes, bytes]]:
+    named = _connection_named(headers)
+    kept = [
+        (name, value)
+        for name, value in headers
+        if _crosses(name, named)
+        and name.lower() not in _REQUEST_REPLACED
+        and (forward_authorization or name.lower() != b"authorization")
+    ]
+    kept.insert(0, (b"host", host.encode("ascii")))
+    if credential is not None:
+        kept = [(n, v) for n, v in kept if n.lower() != b"authorization"]
+        kept.append((b"authorization", f"Bearer {credential}".encode()))
+    return kept
+
+
+def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    materialised = list(headers)
+    named = _connection_named(materialised)
+    return [(name.lower(), value) for name, value in materialised if _crosses(name, named)]
+
+
+def header_value(headers: Iterable[tuple[bytes, bytes]], wanted: bytes) -> bytes | None:
+    for name, value in headers:
+        if name.lower() == wanted:
+            return value
+    return None
