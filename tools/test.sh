@@ -23,10 +23,14 @@ fi
 "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
 "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
 
-fixture=$(PYTHON="$PY" bash tools/fixtures/ensure_llama_server.sh)
-LLAMA_SERVER_BIN=$(sed -n 's/^LLAMA_SERVER_BIN=//p' <<<"$fixture")
-LLAMA_MODEL=$(sed -n 's/^LLAMA_MODEL=//p' <<<"$fixture")
-export LLAMA_SERVER_BIN LLAMA_MODEL
+# Each fixture script builds (or finds in its cache) what it provides and prints
+# KEY=VALUE lines; they become the environment the tests run in.
+for script in tools/fixtures/ensure_*.sh; do
+  output=$(PYTHON="$PY" bash "$script")
+  while IFS='=' read -r key value; do
+    [[ $key =~ ^[A-Z_][A-Z0-9_]*$ ]] && export "$key=$value"
+  done <<<"$output"
+done
 
 echo "== ruff" && "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
 echo "== mypy" && "$VENV/bin/mypy"

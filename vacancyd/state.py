@@ -108,6 +108,8 @@ class SharedState:
         # Bound addresses per listener ("api" and each upstream), filled in by the service.
         self.listeners: dict[str, list[str]] = {}
         self.all_listeners_bound = False
+        # One line per collector for /status, e.g. "nvml": "NVML not loadable: ...".
+        self.collector_notes: dict[str, str] = {}
         self._observations: dict[str, Observation] = {}
         self._unavailable: dict[str, str] = {}
         self._pressure: dict[str, PressureView] = {}

@@ -96,6 +96,7 @@ def status_document(
             "busy_refusals": stats.busy_refusals,
         },
         "api": {"bound": state.listeners.get("api", [])},
+        "collectors": dict(state.collector_notes),
     }
 
 
