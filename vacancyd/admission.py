@@ -42,6 +42,8 @@ class Reservation:
     model: str | None
     started_at: float
     phase: str = "forwarding"
+    # The upstream's own ids for this job (e.g. a ComfyUI prompt id vacancyd assigned).
+    job_ids: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -65,7 +67,11 @@ class Ledger:
         self._busy_refusals: Counter[str] = Counter()
 
     def try_reserve(
-        self, upstream: str, resources: tuple[str, ...], model: str | None
+        self,
+        upstream: str,
+        resources: tuple[str, ...],
+        model: str | None,
+        job_ids: tuple[str, ...] = (),
     ) -> Reservation | Refuse:
         """Reserve every resource of a request, or refuse naming the first one in use."""
         for name in resources:
@@ -92,6 +98,7 @@ class Ledger:
             resources=resources,
             model=model,
             started_at=trio.current_time(),
+            job_ids=job_ids,
         )
         for name in resources:
             self._holders[name] = reservation
@@ -171,7 +178,9 @@ class Admission:
         self._ledger = ledger
         self._decisions = decisions
 
-    async def admit(self, upstream: UpstreamConfig, model: str | None) -> Reservation | Refuse:
+    async def admit(
+        self, upstream: UpstreamConfig, model: str | None, job_ids: tuple[str, ...] = ()
+    ) -> Reservation | Refuse:
         resources = (upstream.resource, *upstream.also_requires)
         # Let a just-released resource be re-measured before judging it (see the ledger).
         await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
@@ -181,7 +190,7 @@ class Admission:
         if isinstance(decision, Refuse):
             self._decisions.record(upstream.name, question, decision)
             return decision
-        outcome = self._ledger.try_reserve(upstream.name, resources, model)
+        outcome = self._ledger.try_reserve(upstream.name, resources, model, job_ids)
         self._decisions.record(
             upstream.name, question, outcome if isinstance(outcome, Refuse) else decision
         )

@@ -4,7 +4,7 @@ No module outside this package names a product. The proxy asks an adapter to cla
 request and to read what it needs from a body; everything product-specific stays here.
 """
 
-from vacancyd.adapters.base import Adapter, Classification, RouteClass
+from vacancyd.adapters.base import Adapter, Classification, RouteClass, WorkFacts
 from vacancyd.adapters.registry import adapter_for
 
-__all__ = ["Adapter", "Classification", "RouteClass", "adapter_for"]
+__all__ = ["Adapter", "Classification", "RouteClass", "WorkFacts", "adapter_for"]

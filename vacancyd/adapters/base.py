@@ -67,9 +67,24 @@ class Classification:
     why: str = ""
 
 
-def _model_field(body: Mapping[str, Any]) -> str | None:
+@attrs.frozen
+class WorkFacts:
+    """What the proxy needs from a work request's JSON body, as the adapter reads it.
+
+    `replacement` is a body to forward instead of the borrower's (an adapter that assigns
+    job ids writes them in); `job_ids` are the upstream's ids for the borrowed work, kept
+    so it can be cancelled by name later.
+    """
+
+    model: str | None
+    replacement: Mapping[str, Any] | None = None
+    job_ids: tuple[str, ...] = ()
+
+
+def model_field(path: str, body: Mapping[str, Any]) -> WorkFacts:
+    """The usual case: the model is named in a top-level "model" string."""
     model = body.get("model")
-    return model if isinstance(model, str) and model else None
+    return WorkFacts(model if isinstance(model, str) and model else None)
 
 
 @attrs.frozen
@@ -80,8 +95,8 @@ class Adapter:
     health_paths: frozenset[str] = frozenset()
     # Extra refusal for a work body the gate must never admit (e.g. background jobs).
     refuse_body: Callable[[str, Mapping[str, Any]], str | None] | None = None
-    # Where the model name lives in a JSON body.
-    model_from_body: Callable[[Mapping[str, Any]], str | None] = _model_field
+    # Reads the model (and, for some adapters, assigns job ids) from a work body.
+    describe_work: Callable[[str, Mapping[str, Any]], WorkFacts] = model_field
     # Whether unload / cancel exist (later issues); /status says when memory recovery is not
     # guaranteed.
     can_unload: bool = False

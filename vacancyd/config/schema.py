@@ -40,7 +40,8 @@ class AdapterName(enum.Enum):
     OLLAMA = "ollama"
     OPENAI = "openai"
     LLAMACPP = "llamacpp"
-    # comfyui and chatterbox arrive with the hardened proxy.
+    COMFYUI = "comfyui"
+    CHATTERBOX = "chatterbox"
 
 
 class OnOwnerReturn(enum.Enum):

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from vacancyd.adapters import Adapter, Classification, RouteClass
+from vacancyd.adapters import Adapter, Classification, RouteClass, WorkFacts
 from vacancyd.admission import Admission, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Management, Scope, UpstreamConfig, parse_target
@@ -128,7 +128,7 @@ class ProxyApp:
         body = await self._read_within_limits(scope, receive, send)
         if body is None:
             return
-        model: str | None = None
+        facts = WorkFacts(model=None)
         if found.route is not None and found.route.json_body:
             parsed = _parse_json_object(body)
             if isinstance(parsed, str):
@@ -138,8 +138,10 @@ class ProxyApp:
             if refusal:
                 await send_error(send, 400, "not_lendable", refusal)
                 return
-            model = self.adapter.model_from_body(parsed)
-        outcome = await self._admission.admit(self.upstream, model)
+            facts = self.adapter.describe_work(found.path, parsed)
+            if facts.replacement is not None:
+                body = json.dumps(facts.replacement).encode()
+        outcome = await self._admission.admit(self.upstream, facts.model, facts.job_ids)
         if isinstance(outcome, Refuse):
             log.info(
                 "refused %s %s on %s: %s (%s)",
