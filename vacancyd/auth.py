@@ -54,7 +54,6 @@ def read_token_file(path: str) -> str:
 class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self._trust_loopback = config.trust_loopback
-        self._open_remote = config.allow_unauthenticated_remote
         self._known: list[_Known] = []
         for token in config.tokens:
             if token.sha256 is not None:
@@ -80,9 +79,10 @@ class Authenticator:
         # send one); it is not ours to judge, so it does not turn trust into a denial.
         if self._trust_loopback and client_host is not None and is_loopback_host(client_host):
             return AuthResult(True, token_name="loopback")
-        if not self._known or self._open_remote:
-            # The config check refused non-loopback listeners without tokens unless the
-            # operator opted in with allow_unauthenticated_remote.
+        if not any(scope in known.scopes for known in self._known):
+            # No token carries this scope, so there is nothing to ask for: the config check
+            # already refused such a listener beyond loopback unless the operator opted in
+            # with allow_unauthenticated_remote. Where a token exists, it is required.
             return AuthResult(True, token_name="anonymous")
         if match is not None:
             return AuthResult(

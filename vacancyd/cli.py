@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -130,7 +131,7 @@ def _api_target(args: argparse.Namespace, scope: Scope) -> tuple[str, str | None
     from vacancyd.auth import token_for_cli
 
     if args.api:
-        return args.api.rstrip("/"), args.token
+        return args.api.rstrip("/"), args.token or os.environ.get("VACANCYD_TOKEN")
     try:
         config: Config = load_config(args.config)
     except ConfigError as exc:

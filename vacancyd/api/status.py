@@ -79,9 +79,7 @@ def status_document(
                 "resource": u.resource,
                 "also_requires": list(u.also_requires),
                 "owner_scope": u.owner_scope.value,
-                "memory_recovery": "unload on owner return"
-                if adapters_can_unload.get(u.name)
-                else "not guaranteed: this server has no unload; new work is refused only",
+                "memory_recovery": _memory_recovery(adapters_can_unload.get(u.name, False)),
                 "active_work": [
                     _reservation(r, now) for r in stats.entries if r.upstream == u.name
                 ],
@@ -98,6 +96,12 @@ def status_document(
         "api": {"bound": state.listeners.get("api", [])},
         "collectors": dict(state.collector_notes),
     }
+
+
+def _memory_recovery(can_unload: bool) -> str:
+    if not can_unload:
+        return "not guaranteed: this server has no unload; new work is refused only"
+    return "not yet: the server can unload, but reclaim on owner return is not built yet"
 
 
 def _presence(state: SharedState, now: float) -> dict[str, Any]:

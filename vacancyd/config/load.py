@@ -230,6 +230,8 @@ def _resource_problems(resource: ResourceConfig, where: str) -> Iterator[str]:
             yield f"{where}.pressure: pressure is attributed for nvidia_gpu resources only"
     if resource.kind is ResourceKind.CPU and resource.keep_free_mib:
         yield f"{where}.keep_free_mib: a cpu resource has no byte capacity"
+    if resource.kind is ResourceKind.MEMORY and resource.max_utilization_pct is not None:
+        yield f"{where}.max_utilization_pct: memory has no utilisation; use keep_free_mib"
     if resource.max_utilization_pct is not None and resource.max_utilization_pct > 100:
         yield f"{where}.max_utilization_pct: must be at most 100"
     pressure = resource.pressure

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -117,17 +118,21 @@ class ProxyApp:
     async def _pass(
         self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
     ) -> None:
-        body = await self._read_within_limits(scope, receive, send)
-        if body is None:
-            return
-        await self._forward(found, scope, receive, send, body, reservation=None)
+        async with self._buffered_body(scope, receive, send) as body:
+            if body is None:
+                return
+            await self._forward(found, scope, receive, send, body, reservation=None)
 
     async def _work(
         self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
     ) -> None:
-        body = await self._read_within_limits(scope, receive, send)
-        if body is None:
-            return
+        async with self._buffered_body(scope, receive, send) as body:
+            if body is not None:
+                await self._admit_and_forward(found, scope, receive, send, body)
+
+    async def _admit_and_forward(
+        self, found: Classification, scope: dict[str, Any], receive: Any, send: Any, body: bytes
+    ) -> None:
         facts = WorkFacts(model=None)
         if found.route is not None and found.route.json_body:
             parsed = _parse_json_object(body)
@@ -158,15 +163,21 @@ class ProxyApp:
         finally:
             self._admission.release(outcome)
 
-    async def _read_within_limits(
+    @asynccontextmanager
+    async def _buffered_body(
         self, scope: dict[str, Any], receive: Any, send: Any
-    ) -> bytes | None:
-        """The request body, or None once a refusal has been sent."""
+    ) -> AsyncIterator[bytes | None]:
+        """The request body, or None once a refusal has been sent.
+
+        The body's share of the listener's budget is held for the whole block, that is
+        until the body has been forwarded (or refused): that is when its memory is freed.
+        """
         headers = scope["headers"]
         declared = header_value(headers, b"content-length")
         declared_size = int(declared) if declared is not None and declared.isdigit() else None
         if declared_size == 0 or (declared_size is None and not _is_chunked(headers)):
-            return b""
+            yield b""
+            return
         if declared_size is not None and declared_size > self._max_body:
             await send_error(
                 send,
@@ -177,7 +188,8 @@ class ProxyApp:
                 close=True,
             )
             await self._drain(receive)
-            return None
+            yield None
+            return
         reserved = declared_size if declared_size is not None else self._max_body
         if not self.budget.try_reserve(reserved):
             await send_error(
@@ -189,16 +201,19 @@ class ProxyApp:
                 close=True,
             )
             await self._drain(receive)
-            return None
+            yield None
+            return
         try:
-            return await read_body(receive, limit_bytes=self._max_body, limits=self._limits)
-        except ClientGone:
-            return None
-        except BodyError as exc:
-            await send_error(send, exc.status, exc.code, str(exc), close=True)
-            if exc.status == 413:
-                await self._drain(receive)
-            return None
+            body: bytes | None = None
+            try:
+                body = await read_body(receive, limit_bytes=self._max_body, limits=self._limits)
+            except ClientGone:
+                pass
+            except BodyError as exc:
+                await send_error(send, exc.status, exc.code, str(exc), close=True)
+                if exc.status == 413:
+                    await self._drain(receive)
+            yield body
         finally:
             self.budget.release(reserved)
 
@@ -239,6 +254,7 @@ class ProxyApp:
                     )
                 except UpstreamUnavailable as exc:
                     log.warning("upstream %s unavailable: %s", self.upstream.name, exc)
+                    watch.finishing = True
                     await send_error(
                         send, 502, "upstream_unavailable", f"the upstream did not answer: {exc}"
                     )
