@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import attrs
 
@@ -302,10 +302,10 @@ def validate_payload(data: Any, model: LearningModel = DEFAULT_MODEL) -> str | N
     return None
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _bucket(load_pct: float) -> int:
     """The histogram bucket for a load; readings outside 0..100 are clamped, not dropped."""
-    return min(max(int(math.floor(load_pct)), 0), BUCKETS - 1)
+    return min(max(math.floor(load_pct), 0), BUCKETS - 1)
