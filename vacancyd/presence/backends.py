@@ -2,17 +2,24 @@
 
 A backend answers one question per call: what does the console look like right now? It
 returns a PresenceReading and never decides policy; the shared state's veto does that.
+
+A backend that can hear changes as they happen (logind's signals) also has `watch`, a
+background task the presence loop runs beside its poll timer: it calls `wake` when the
+answer may have changed, and the loop reads again at once. Polling stays the backstop, so
+a lost signal costs at most one poll interval.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import trio
 
-from vacancyd.config import PresenceBackend
+from vacancyd.config import OwnerConfig, PresenceBackend
 from vacancyd.model import PresenceReading, SessionState
+from vacancyd.presence.logind import LogindBackend
 
 
 class Backend(Protocol):
@@ -21,6 +28,25 @@ class Backend(Protocol):
     scope_note: str
 
     async def read(self) -> PresenceReading: ...
+
+
+@runtime_checkable
+class WatchingBackend(Backend, Protocol):
+    """A backend that can also wake the presence loop when its answer may have changed."""
+
+    async def watch(
+        self,
+        wake: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run until cancelled, calling `wake` on each possible change.
+
+        Reports started once the loop's first read can be answered (for logind: after the
+        first connection attempt). It must not raise for trouble it can report through
+        `read` instead.
+        """
+        ...
 
 
 class HeadlessBackend:
@@ -74,15 +100,23 @@ class UnavailableBackend:
         )
 
 
-def choose_backend(configured: PresenceBackend, platform: str = sys.platform) -> Backend:
+def choose_backend(owner: OwnerConfig, platform: str = sys.platform) -> Backend:
+    """The backend `owner.presence` asks for on this platform.
+
+    "auto" means logind on Linux and no backend elsewhere (macOS and Windows gate on
+    capacity only, as documented). "logind" asked for where there is no logind is a
+    configuration that cannot be honoured: it reads as unreadable, which refuses
+    host-scoped work rather than lending on a guess.
+    """
+    configured = owner.presence
     if configured is PresenceBackend.HEADLESS:
         return HeadlessBackend()
-    if configured is PresenceBackend.AUTO and not platform.startswith("linux"):
+    if platform.startswith("linux"):
+        return LogindBackend(owner.owner_processes)
+    if configured is PresenceBackend.AUTO:
         return NoBackend(platform)
-    # logind (chosen, or what auto means on Linux) arrives with the presence collectors;
-    # until then it is honestly unreadable, which refuses rather than lends blindly.
     return UnavailableBackend(
         "logind",
-        'the logind presence backend is not built yet; set owner.presence = "headless" '
-        "on a machine nobody sits at",
+        f'owner.presence = "logind" needs Linux, this is {platform}; use "auto" to gate '
+        'on capacity only, or "headless" on a machine nobody sits at',
     )

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AsyncExitStack
 from typing import Any
 
 import attrs
@@ -151,9 +150,7 @@ def summarize(sessions: Iterable[SessionInfo], now_us: int | None = None) -> Ses
         return SessionSummary(SessionState.LOGGED_OUT, f"no local user session{ignored_note}")
     best = max(counting, key=lambda s: _RANK[s.standing()])
     state = best.standing()
-    desktop_uids = sorted(
-        {s.uid for s in counting if s.graphical and s.active and not s.locked}
-    )
+    desktop_uids = sorted({s.uid for s in counting if s.graphical and s.active and not s.locked})
     return SessionSummary(state, _describe(best, state, now_us), tuple(desktop_uids))
 
 
@@ -224,9 +221,9 @@ class LogindBackend:
         """Hold the bus connection and call `wake` on every logind signal; runs until cancelled.
 
         Reports started after the first connection attempt, whatever its outcome, so the
-        loop's first read already sees a connection when there is one. When the connection
-        fails or breaks it is dropped and `wake` is called, so the loop records UNREADABLE at
-        once; a new connection is attempted when a read asks for one, which keeps retries to
+        loop's first read already sees a connection when there is one. A connection that
+        breaks is dropped and `wake` is called, so the loop records UNREADABLE at once. A
+        new connection is attempted only when a read asks for one, which keeps retries to
         the poll cadence instead of a busy loop against a bus that is down.
         """
         started = False
@@ -244,11 +241,15 @@ class LogindBackend:
                 problem = "the system bus closed the connection"
             except Exception as exc:
                 problem = f"cannot use the system bus ({_explain(exc)}); {HEADLESS_HINT}"
+            lost = self._router is not None
             self._router = None
             self._problem = problem
             self._log_problem(problem)
             report_started()
-            wake()
+            if lost:
+                # Say so now rather than at the next poll. A failed reconnection does not
+                # wake the loop: its read would only ask to reconnect again, at once.
+                wake()
             await self._reconnect_wanted.wait()
 
     async def _serve_connection(
@@ -258,24 +259,30 @@ class LogindBackend:
         # connecting (socket, auth, Hello) runs under a deadline, not the connection's life.
         with trio.fail_after(self._call_timeout_s):
             connection = await open_dbus_connection(bus=self._bus)
-        async with connection, connection.router() as router, AsyncExitStack() as stack:
-            send, receive = trio.open_memory_channel[Any](SIGNAL_BUFFER)
-            stack.enter_context(receive)
-            for bus_rule, local_rule in _signal_rules():
-                # Each filter closes its own clone on exit, so they can share the channel.
-                await stack.enter_async_context(router.filter(local_rule, channel=send.clone()))
-                with trio.fail_after(self._call_timeout_s):
-                    unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(bus_rule)))
-            send.close()
-            self._router = router
-            self._problem = ""
-            log.info("presence: connected to the system bus for logind")
-            report_started()
-            wake()
-            async for _signal in receive:
-                # Drain without pausing: the read this wake causes re-reads everything, so
-                # neither the signal's content nor a dropped neighbour of it matters.
+        send, receive = trio.open_memory_channel[Any](SIGNAL_BUFFER)
+        # The receiving end outlives the router: jeepney's receiver raises (and dies) if it
+        # dispatches a signal to a channel whose receiving end is already closed.
+        with receive:
+            async with connection, connection.router() as router:
+                for bus_rule, local_rule in _signal_rules():
+                    # Each filter gets its own clone of the channel and is never closed
+                    # from here: when the router stops, its receiver closes every filter's
+                    # channel itself, and closing one concurrently races with that (it
+                    # walks its filter table across an await).
+                    router.filter(local_rule, channel=send.clone())
+                    with trio.fail_after(self._call_timeout_s):
+                        reply = await router.send_and_get_reply(message_bus.AddMatch(bus_rule))
+                    unwrap_msg(reply)
+                send.close()
+                self._router = router
+                self._problem = ""
+                log.info("presence: connected to the system bus for logind")
+                report_started()
                 wake()
+                async for _signal in receive:
+                    # Drain without pausing: the read this wake causes re-reads everything,
+                    # so neither the signal's content nor a dropped neighbour of it matters.
+                    wake()
 
     # -- reading -------------------------------------------------------------------------
 
