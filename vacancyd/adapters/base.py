@@ -100,6 +100,11 @@ class Adapter:
     # Whether unload / cancel exist (later issues); /status says when memory recovery is not
     # guaranteed.
     can_unload: bool = False
+    # Request headers (lower-case names) the proxy must not forward to this upstream, on
+    # requests and WebSocket upgrades alike. The proxy rewrites Host to the upstream's own
+    # address, so a browser's Origin or Sec-Fetch-Site no longer matches what the upstream
+    # sees; an upstream with a CSRF check on those headers would refuse every browser client.
+    drop_request_headers: frozenset[bytes] = frozenset()
 
     def classify(self, method: str, raw_path: bytes, query: bytes) -> Classification:
         try:
