@@ -154,16 +154,22 @@ async def test_comfyui_discovery_passes(comfyui: FakeComfyUI, tmp_path: Path) ->
         assert (await http.get(f"{base}/api/object_info")).status_code == 200
 
 
-@pytest.mark.xfail(reason="the proxy does not honour Adapter.drop_request_headers yet")
 async def test_comfyui_never_sees_a_browser_origin(comfyui: FakeComfyUI, tmp_path: Path) -> None:
     # ComfyUI answers a bare 403 when Origin's host differs from a loopback Host, and the
-    # proxy always rewrites Host, so a browser's Origin must not cross.
-    headers = {"Origin": "https://borrower.example", "Sec-Fetch-Site": "cross-site"}
+    # proxy always rewrites Host, so the proxy applies that check itself and drops Origin.
     async with borrowing("comfyui", comfyui.url, tmp_path) as (base, http):
-        stats = await http.get(f"{base}/system_stats", headers=headers)
-    assert stats.status_code == 200
-    assert comfyui.seen[-1].header("origin") == []
-    assert comfyui.seen[-1].header("sec-fetch-site") == []
+        own = base.removeprefix("http://")
+        same_site = {"Origin": f"http://{own}", "Sec-Fetch-Site": "same-origin"}
+        stats = await http.get(f"{base}/system_stats", headers=same_site)
+        assert stats.status_code == 200
+        assert comfyui.seen[-1].header("origin") == []
+        assert comfyui.seen[-1].header("sec-fetch-site") == []
+        seen_before = len(comfyui.seen)
+        cross_site = {"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}
+        refused = await http.post(f"{base}/prompt", json={"prompt": {}}, headers=cross_site)
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "cross_origin_refused"
+    assert len(comfyui.seen) == seen_before
 
 
 # ---------------------------------------------------------------------------------------

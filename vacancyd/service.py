@@ -30,7 +30,8 @@ from vacancyd.presence.backends import choose_backend
 from vacancyd.presence.loop import run_presence
 from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
-from vacancyd.serving import serve_app
+from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_upgrade
+from vacancyd.serving import ListenerGuard, serve_app
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ async def run_daemon(
                 deadline_s=config.server.probe_deadline_s,
             ),
         )
-        backend = choose_backend(config.owner.presence)
+        backend = choose_backend(config.owner)
         await supervisor.start(
             "presence",
             partial(run_presence, state, backend, deadline_s=config.server.probe_deadline_s),
@@ -159,6 +160,7 @@ async def run_daemon(
             await supervisor.start(name, component)
 
         can_unload: dict[str, bool] = {}
+        guards: dict[str, ListenerGuard] = {}
         for upstream in config.upstream:
             adapter = adapter_for(upstream.adapter.value)
             can_unload[upstream.name] = adapter.can_unload
@@ -166,6 +168,12 @@ async def run_daemon(
                 read_token_file(upstream.credential_file) if upstream.credential_file else None
             )
             app = ProxyApp(upstream, adapter, admission, auth, limits, client, credential)
+            tunnels = WebSocketTunnels(
+                upstream, adapter, app.target, admission, auth, limits, credential
+            )
+            guards[upstream.name] = ListenerGuard(
+                limits, takeover=tunnels.take_over, wants_takeover=is_websocket_upgrade
+            )
             state.listeners[upstream.name] = await supervisor.start(
                 f"proxy:{upstream.name}",
                 partial(
@@ -175,9 +183,11 @@ async def run_daemon(
                     limits,
                     grace_s=grace,
                     shutdown_trigger=stop.wait,
+                    guard=guards[upstream.name],
                 ),
             )
-        api = create_api_app(state, ledger, decisions, auth, can_unload)
+        guards["api"] = ListenerGuard(limits)
+        api = create_api_app(state, ledger, decisions, auth, can_unload, guards)
         state.listeners["api"] = await supervisor.start(
             "api",
             partial(
@@ -188,6 +198,7 @@ async def run_daemon(
                 grace_s=grace,
                 shutdown_trigger=stop.wait,
                 date_header=True,
+                guard=guards["api"],
             ),
         )
         state.all_listeners_bound = True

@@ -42,6 +42,10 @@ class EchoUpstream:
     url: str = ""
     gate: trio.Event = attrs.Factory(trio.Event)
     events_sent: int = 0
+    # Set when a streaming response's client (the proxy) goes away before the end.
+    client_gone: trio.Event = attrs.Factory(trio.Event)
+    ws_seen: list[Seen] = attrs.Factory(list)
+    ws_closed: trio.Event = attrs.Factory(trio.Event)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -52,6 +56,9 @@ class EchoUpstream:
                 else:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         body = b""
@@ -69,6 +76,9 @@ class EchoUpstream:
         request = _json_or_empty(body)
         if "echo_stream" in request:
             await self._stream(request["echo_stream"], send)
+            return
+        if "echo_bytes" in request:
+            await self._firehose(request["echo_bytes"], receive, send)
             return
         if path == b"/redirect":
             await send(
@@ -97,6 +107,61 @@ class EchoUpstream:
             }
         )
         await send({"type": "http.response.body", "body": payload})
+
+    async def _firehose(self, options: dict[str, Any], receive: Any, send: Any) -> None:
+        """Send `total` bytes as fast as the reader takes them, pausing `pause_s` between
+        `chunks` if asked; notice when the reader goes away."""
+        total = int(options.get("total", 1 << 20))
+        pause_s = float(options.get("pause_s", 0))
+        chunk = b"x" * int(options.get("chunk", 65536))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream")],
+            }
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, self.client_gone)
+            sent = 0
+            while sent < total and not self.client_gone.is_set():
+                piece = chunk[: total - sent]
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                sent += len(piece)
+                if pause_s:
+                    await trio.sleep(pause_s)  # a producer that is slow on purpose
+            await send({"type": "http.response.body", "body": b""})
+            nursery.cancel_scope.cancel()
+
+    async def _websocket(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Echo every message back; record the handshake the proxy replayed."""
+        headers = [(k.decode().lower(), v.decode()) for k, v in scope["headers"]]
+        target = scope["raw_path"] + (
+            b"?" + scope["query_string"] if scope["query_string"] else b""
+        )
+        self.ws_seen.append(Seen("GET", target, headers, b""))
+        await receive()  # websocket.connect
+        subprotocols = scope.get("subprotocols") or []
+        accept: dict[str, Any] = {"type": "websocket.accept"}
+        if subprotocols:
+            accept["subprotocol"] = subprotocols[0]
+        await send(accept)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message.get("text") == "close please":
+                    await send({"type": "websocket.close", "code": 4001, "reason": "bye"})
+                    return
+                reply = {"type": "websocket.send"}
+                if message.get("bytes") is not None:
+                    reply["bytes"] = message["bytes"]
+                else:
+                    reply["text"] = message.get("text")
+                await send(reply)
+        finally:
+            self.ws_closed.set()
 
     async def _stream(self, options: dict[str, int], send: Any) -> None:
         count = options.get("events", 3)
@@ -129,6 +194,12 @@ def _json_or_empty(body: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+async def _watch_disconnect(receive: Any, gone: trio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
 @asynccontextmanager

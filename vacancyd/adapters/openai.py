@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vacancyd.adapters.base import Adapter, RouteClass, reads, work
+from vacancyd.adapters.base import Adapter, Route, RouteClass, reads, work
 
 OPENAI_WORK = [
     *work(
@@ -19,6 +19,8 @@ OPENAI_WORK = [
     *work("/v1/audio/transcriptions", "/v1/audio/translations", json_body=False),
 ]
 OPENAI_READS = reads(RouteClass.PASS, "/v1/models", "/v1/models/{model}")
+# The Realtime API is inference over a WebSocket: a gated work socket, held while open.
+OPENAI_REALTIME = Route(frozenset({"GET"}), "/v1/realtime", RouteClass.WORK, json_body=False)
 
 
 def refuse_background_response(path: str, body: Mapping[str, Any]) -> str | None:
@@ -33,6 +35,6 @@ def refuse_background_response(path: str, body: Mapping[str, Any]) -> str | None
 
 OPENAI = Adapter(
     name="openai",
-    routes=(*OPENAI_WORK, *OPENAI_READS),
+    routes=(*OPENAI_WORK, *OPENAI_READS, OPENAI_REALTIME),
     refuse_body=refuse_background_response,
 )

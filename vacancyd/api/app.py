@@ -19,6 +19,7 @@ from vacancyd.api.status import is_ready, status_document
 from vacancyd.auth import Authenticator
 from vacancyd.config import Scope
 from vacancyd.decisions import DecisionLog
+from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
 MAX_ADMIN_BODY = 64 * 1024
@@ -43,6 +44,7 @@ def create_api_app(
     decisions: DecisionLog,
     auth: Authenticator,
     can_unload: dict[str, bool],
+    guards: dict[str, ListenerGuard] | None = None,
 ) -> QuartTrio:
     app = QuartTrio("vacancyd.api")
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
@@ -69,7 +71,9 @@ def create_api_app(
 
     @app.get("/status")
     async def status() -> Response:
-        return denied(Scope.READ) or _json(status_document(state, ledger, decisions, can_unload))
+        return denied(Scope.READ) or _json(
+            status_document(state, ledger, decisions, can_unload, guards or {})
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,6 +17,7 @@ from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
 from vacancyd.gate import owner_refusal, resource_refusal
 from vacancyd.model import OwnerScope, Quality, Refuse
+from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
 _plain = cattrs.Converter()
@@ -47,8 +48,13 @@ def needed_resources(config: Config) -> set[str]:
 
 
 def status_document(
-    state: SharedState, ledger: Ledger, decisions: DecisionLog, adapters_can_unload: dict[str, bool]
+    state: SharedState,
+    ledger: Ledger,
+    decisions: DecisionLog,
+    adapters_can_unload: dict[str, bool],
+    guards: dict[str, ListenerGuard] | None = None,
 ) -> dict[str, Any]:
+    guards = guards or {}
     now = trio.current_time()
     config = state.config
     stats = ledger.statistics()
@@ -75,6 +81,7 @@ def status_document(
                 "adapter": u.adapter.value,
                 "listen": u.listen,
                 "bound": state.listeners.get(u.name, []),
+                "connections": _connections(guards.get(u.name)),
                 "target": u.target,
                 "resource": u.resource,
                 "also_requires": list(u.also_requires),
@@ -93,8 +100,22 @@ def status_document(
             "awaiting_sample": list(stats.awaiting_sample),
             "busy_refusals": stats.busy_refusals,
         },
-        "api": {"bound": state.listeners.get("api", [])},
+        "api": {
+            "bound": state.listeners.get("api", []),
+            "connections": _connections(guards.get("api")),
+        },
         "collectors": dict(state.collector_notes),
+    }
+
+
+def _connections(guard: ListenerGuard | None) -> dict[str, int] | None:
+    if guard is None:
+        return None
+    return {
+        "open": guard.open_connections,
+        "limit": guard.limits.max_connections,
+        "refused_over_limit": guard.refused_over_cap,
+        "write_stalls": guard.write_stalls,
     }
 
 

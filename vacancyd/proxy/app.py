@@ -27,7 +27,7 @@ from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import MIB, Refuse
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
 from vacancyd.proxy.forward import DisconnectWatch, open_upstream
-from vacancyd.proxy.headers import header_value, request_headers
+from vacancyd.proxy.headers import header_value, is_cross_origin, request_headers
 from vacancyd.proxy.replies import send_error, send_refusal
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,13 @@ class ProxyApp:
         if header_value(headers, b"content-length") is not None and _is_chunked(headers):
             await send_error(
                 send, 400, "ambiguous_framing", "Content-Length together with chunked encoding"
+            )
+            return
+        if b"origin" in self.adapter.drop_request_headers and is_cross_origin(headers):
+            # This upstream trusts that browsers cannot reach it from other sites, and the
+            # proxy must drop Origin for it (it rewrites Host), so it checks here instead.
+            await send_error(
+                send, 403, "cross_origin_refused", "requests from another site's page are refused"
             )
             return
         found = self.adapter.classify(method, scope["raw_path"], scope["query_string"])
@@ -236,6 +243,7 @@ class ProxyApp:
             host=self.target.host_header,
             forward_authorization=self.upstream.forward_authorization,
             credential=self._credential,
+            dropped=self.adapter.drop_request_headers,
         )
         started = False
         with trio.CancelScope() as relay:

@@ -45,6 +45,7 @@ def request_headers(
     host: str,
     forward_authorization: bool,
     credential: str | None,
+    dropped: frozenset[bytes] = frozenset(),
 ) -> list[tuple[bytes, bytes]]:
     named = _connection_named(headers)
     kept = [
@@ -52,6 +53,7 @@ def request_headers(
         for name, value in headers
         if _crosses(name, named)
         and name.lower() not in _REQUEST_REPLACED
+        and name.lower() not in dropped
         and (forward_authorization or name.lower() != b"authorization")
     ]
     kept.insert(0, (b"host", host.encode("ascii")))
@@ -65,6 +67,16 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes
     materialised = list(headers)
     named = _connection_named(materialised)
     return [(name.lower(), value) for name, value in materialised if _crosses(name, named)]
+
+
+def is_cross_origin(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A browser request whose Origin is not the host it was sent to (a cross-site page)."""
+    origin = header_value(headers, b"origin")
+    if origin is None or origin == b"null":
+        return origin == b"null"
+    host = header_value(headers, b"host") or b""
+    netloc = origin.split(b"://", 1)[-1].split(b"/", 1)[0]
+    return netloc.lower() != host.lower()
 
 
 def header_value(headers: Iterable[tuple[bytes, bytes]], wanted: bytes) -> bytes | None:
