@@ -242,3 +242,25 @@ async def _read_all(stream: trio.SocketStream) -> bytes:
         while chunk := await stream.receive_some(65536):
             data += chunk
     return data
+
+
+async def test_redirects_are_returned_and_the_upstreams_address_is_hidden(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    async with in_process_daemon(config(echo, tmp_path)) as daemon, client() as http:
+        response = await http.get(f"{daemon.proxy('echo')}/v1/models/redirect")
+    assert response.status_code == 302  # returned, not followed
+    assert response.headers["location"] == "/elsewhere"
+    assert len(echo.seen) == 1
+
+
+def test_location_rewriting_only_touches_the_upstreams_own_address() -> None:
+    from vacancyd.config import parse_target
+    from vacancyd.proxy.forward import rewrite_location
+
+    target = parse_target("http://127.0.0.1:8188/base")
+    assert rewrite_location(b"http://localhost:8188/base/view?x=1", target) == b"/view?x=1"
+    assert rewrite_location(b"http://127.0.0.1:8188", target) == b"/"
+    assert rewrite_location(b"http://127.0.0.1:81880/x", target) == b"http://127.0.0.1:81880/x"
+    assert rewrite_location(b"https://example.com/x", target) == b"https://example.com/x"
+    assert rewrite_location(b"/relative", target) == b"/relative"

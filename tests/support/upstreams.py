@@ -80,7 +80,7 @@ class EchoUpstream:
         if "echo_bytes" in request:
             await self._firehose(request["echo_bytes"], receive, send)
             return
-        if path == b"/redirect":
+        if path.endswith(b"/redirect"):
             await send(
                 {
                     "type": "http.response.start",

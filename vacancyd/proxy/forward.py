@@ -16,7 +16,7 @@ from typing import Any, cast
 import httpx
 import trio
 
-from vacancyd.config import LimitsConfig, Target
+from vacancyd.config import LimitsConfig, Target, is_loopback_host
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.proxy.headers import response_headers
 
@@ -56,13 +56,42 @@ class DisconnectWatch:
                 return
 
 
+def upstream_origins(target: Target) -> tuple[bytes, ...]:
+    """Every spelling of the upstream's own address a redirect might use."""
+    names = {target.host_header}
+    if is_loopback_host(target.host):
+        names |= {f"{name}:{target.port}" for name in ("127.0.0.1", "localhost", "[::1]")}
+    return tuple(f"{target.scheme}://{name}".encode() for name in sorted(names))
+
+
+def rewrite_location(location: bytes, target: Target) -> bytes:
+    """A redirect to the upstream's own address becomes a path on the proxy.
+
+    The borrower should never learn (or try to reach) the internal target; redirects to
+    anywhere else are passed on untouched.
+    """
+    for origin in upstream_origins(target):
+        if location.lower().startswith(origin.lower()):
+            rest = location[len(origin) :]
+            if rest[:1] not in (b"", b"/", b"?", b"#"):
+                continue  # a longer port or host that only starts the same way
+            base = target.base_path.encode()
+            if base and rest.startswith(base):
+                rest = rest[len(base) :]
+            return rest if rest.startswith(b"/") else b"/" + rest
+    return location
+
+
 class UpstreamResponse:
     """An upstream answer whose body is still to be streamed."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: httpx.Response, target: Target) -> None:
         self._response = response
         self.status = response.status_code
-        self.headers = response_headers(response.headers.raw)
+        self.headers = [
+            (name, rewrite_location(value, target) if name == b"location" else value)
+            for name, value in response_headers(response.headers.raw)
+        ]
 
     async def relay_body(self, send: Any, watch: DisconnectWatch) -> None:
         """Send each chunk as it arrives; a broken upstream stream raises, never ends cleanly."""
@@ -104,4 +133,4 @@ async def open_upstream(
         response = await client.send(request, stream=True)
     except httpx.TransportError as exc:
         raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from exc
-    return UpstreamResponse(response)
+    return UpstreamResponse(response, target)
