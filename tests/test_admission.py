@@ -66,7 +66,7 @@ async def test_release_asks_the_collector_for_a_sample() -> None:
     assert isinstance(job, Reservation)
     with trio.move_on_after(1) as scope:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(state.wait_sample_requested)
+            nursery.start_soon(state.wait_sample_requested, state.sample_requests)
             await trio.testing.wait_all_tasks_blocked()
             ledger.release(job)
     assert not scope.cancelled_caught
@@ -82,7 +82,7 @@ async def test_wait_post_release_sample_returns_when_the_sample_lands(
     ledger.release(job)
 
     async def collector() -> None:
-        await state.wait_sample_requested()
+        await state.wait_sample_requested(0)
         await trio.sleep(0.3)
         state.record_observation(Observation("ram", trio.current_time(), MIB, MIB))
 

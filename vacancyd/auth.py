@@ -54,6 +54,7 @@ def read_token_file(path: str) -> str:
 class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self._trust_loopback = config.trust_loopback
+        self._open_remote = config.allow_unauthenticated_remote
         self._known: list[_Known] = []
         for token in config.tokens:
             if token.sha256 is not None:
@@ -80,10 +81,13 @@ class Authenticator:
         if self._trust_loopback and client_host is not None and is_loopback_host(client_host):
             return AuthResult(True, token_name="loopback")
         if not any(scope in known.scopes for known in self._known):
-            # No token carries this scope, so there is nothing to ask for: the config check
-            # already refused such a listener beyond loopback unless the operator opted in
-            # with allow_unauthenticated_remote. Where a token exists, it is required.
-            return AuthResult(True, token_name="anonymous")
+            # No token carries this scope, so there is nothing a caller could present. That
+            # is open to callers on this machine, and to the network only where the operator
+            # opted in with allow_unauthenticated_remote; a listener that shares its socket
+            # with another scope (the API: read and admin) never opens the other by accident.
+            local = client_host is not None and is_loopback_host(client_host)
+            if local or self._open_remote:
+                return AuthResult(True, token_name="anonymous")
         if match is not None:
             return AuthResult(
                 False, 403, "forbidden", f"token {match.name!r} lacks the {scope.value} scope"

@@ -20,8 +20,11 @@ from vacancyd.adapters import adapter_for
 from vacancyd.admission import Admission, Ledger
 from vacancyd.api.app import create_api_app
 from vacancyd.auth import Authenticator, read_token_file
+from vacancyd.collect.calibration_store import CalibrationStore
+from vacancyd.collect.nvml import NvmlCollector
+from vacancyd.collect.pressure import PressureCollector
 from vacancyd.collect.system import run_system_collector
-from vacancyd.config import Config, ResourceConfig, parse_listen, resolve_state_dir
+from vacancyd.config import Config, parse_listen, parse_target, resolve_state_dir
 from vacancyd.decisions import DecisionLog
 from vacancyd.errors import StartupError
 from vacancyd.model import ResourceKind
@@ -141,7 +144,20 @@ async def run_daemon(
             await root.start(_watch_signals, stop)
 
         memory_and_cpu = [r for r in config.resource if r.kind is not ResourceKind.NVIDIA_GPU]
-        _mark_gpus_unmeasured(state, config.resource)
+        gpus = [r for r in config.resource if r.kind is ResourceKind.NVIDIA_GPU]
+        if gpus:
+            nvml = NvmlCollector(state, gpus, deadline_s=config.server.probe_deadline_s)
+            await supervisor.start("collector:nvml", nvml.run)
+            pressure = PressureCollector(
+                state,
+                gpus,
+                {u.name: parse_target(u.target) for u in config.upstream},
+                nvml,
+                lambda: {entry.upstream for entry in ledger.statistics().entries},
+                CalibrationStore(state_dir),
+                deadline_s=config.server.probe_deadline_s,
+            )
+            await supervisor.start("collector:pressure", pressure.run)
         await supervisor.start(
             "collector:system",
             partial(
@@ -221,11 +237,3 @@ async def run_daemon(
             await supervisor.wait_ended(set(listener_names))
         root.cancel_scope.cancel()
     log.info("vacancyd stopped")
-
-
-def _mark_gpus_unmeasured(state: SharedState, resources: list[ResourceConfig]) -> None:
-    for resource in resources:
-        if resource.kind is ResourceKind.NVIDIA_GPU:
-            state.mark_unavailable(
-                resource.name, "no NVIDIA collector in this build yet; GPU capacity is unknown"
-            )

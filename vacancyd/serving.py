@@ -255,7 +255,12 @@ class HardenedTCPServer(TCPServer):
                 return
             if guard.wants_takeover(head):
                 await self.idle_task.stop()
-                await guard.takeover(self.stream, head, client)  # type: ignore[arg-type]
+                try:
+                    await guard.takeover(self.stream, head, client)  # type: ignore[arg-type]
+                except Exception:
+                    # One connection's failure must never reach the listener's nursery:
+                    # that would take the listener, and so the daemon, down with it.
+                    log.exception("connection takeover failed")
                 return
             await self.protocol.handle(RawData(head))
         await self._read_data()

@@ -31,6 +31,7 @@ from vacancyd.model import (
 )
 
 MIN_FRESHNESS_S = 15.0
+MAX_EDGES_KEPT = 256
 FRESHNESS_POLLS = 4
 
 
@@ -55,24 +56,42 @@ class HostVeto:
     released_at: float | None = None
     reason: str = ""
 
-    def observe(self, matching: bool, now: float, reason: str = "") -> None:
+    def observe(self, matching: bool, now: float, reason: str = "") -> bool:
+        """Take one sample; True when it engaged a veto that was clear (a rising edge)."""
         if matching:
-            if not self.engaged:
+            rising = not self.engaged
+            if rising:
                 self.engaged_at = now
             self.engaged = True
             self.last_match_at = now
             self.reason = reason
-            return
+            return rising
         if self.engaged:
             since = now - (self.last_match_at if self.last_match_at is not None else now)
             if since >= self.release_after_s:
                 self.engaged = False
                 self.released_at = now
                 self.reason = ""
+        return False
 
-    def engage_without_reading(self, now: float, reason: str) -> None:
+    def engage_without_reading(self, now: float, reason: str) -> bool:
         """Presence expired: act as if the owner came back rather than assume they left."""
-        self.observe(True, now, reason)
+        return self.observe(True, now, reason)
+
+
+@attrs.frozen
+class Edge:
+    """A rising edge that asks for borrowed work to be reclaimed.
+
+    `kind` is "owner" (the veto engaged: host-scoped upstreams) or "pressure" (a resource's
+    pressure guard engaged or its reading stayed unknown too long: upstreams using it).
+    """
+
+    seq: int
+    kind: str
+    at: float
+    reason: str
+    resource: str | None = None
 
 
 def owner_match(reading: PresenceReading, policy: OwnerConfig) -> str | None:
@@ -111,10 +130,17 @@ class SharedState:
         # One line per collector for /status, e.g. "nvml": "NVML not loadable: ...".
         self.collector_notes: dict[str, str] = {}
         self._observations: dict[str, Observation] = {}
-        self._unavailable: dict[str, str] = {}
-        self._pressure: dict[str, PressureView] = {}
+        # Why a collector could not read a resource, and when it said so.
+        self._unavailable: dict[str, tuple[str, float]] = {}
+        self._pressure: dict[str, tuple[PressureView, float]] = {}
+        # Reclaim edges, oldest first; readers remember the last seq they handled.
+        self.edges: list[Edge] = []
+        self.edge_seq = 0
+        # Upstreams with admitted work running but no process of theirs seen on a GPU.
+        self.unseen_gpu_work: frozenset[str] = frozenset()
         self._changed = trio.Event()
         self._sample_wanted = trio.Event()
+        self.sample_requests = 0
 
     # -- writers -------------------------------------------------------------------------
 
@@ -124,20 +150,42 @@ class SharedState:
         self._notify()
 
     def mark_unavailable(self, resource: str, why: str) -> None:
-        """A collector that cannot read a resource says why; the old reading ages out."""
-        self._unavailable[resource] = why
+        """A collector that cannot read a resource says why; it refuses from this moment.
+
+        The last good reading is kept for /status, but it is no longer lent on: a GPU that
+        just failed is not measured, however recent its last number.
+        """
+        self._unavailable[resource] = (why, trio.current_time())
         self._notify()
 
     def record_presence(self, reading: PresenceReading) -> None:
         self.presence = reading
         why = owner_match(reading, self.config.owner)
-        if reading.session is not SessionState.UNREADABLE:
-            self.veto.observe(why is not None, reading.taken_at, why or "")
+        if reading.session is not SessionState.UNREADABLE and self.veto.observe(
+            why is not None, reading.taken_at, why or ""
+        ):
+            self.add_edge("owner", reading.taken_at, why or "owner returned")
+        self._notify()
+
+    def engage_veto_without_reading(self, now: float, reason: str) -> None:
+        if self.veto.engage_without_reading(now, reason):
+            self.add_edge("owner", now, reason)
         self._notify()
 
     def record_pressure(self, resource: str, view: PressureView) -> None:
-        self._pressure[resource] = view
+        self._pressure[resource] = (view, trio.current_time())
         self._notify()
+
+    def add_edge(self, kind: str, at: float, reason: str, resource: str | None = None) -> Edge:
+        self.edge_seq += 1
+        edge = Edge(self.edge_seq, kind, at, reason, resource)
+        self.edges.append(edge)
+        del self.edges[:-MAX_EDGES_KEPT]
+        self._notify()
+        return edge
+
+    def edges_after(self, seq: int) -> list[Edge]:
+        return [edge for edge in self.edges if edge.seq > seq]
 
     def set_lending(self, enabled: bool) -> None:
         self.lending_enabled = enabled
@@ -150,12 +198,20 @@ class SharedState:
         self._notify()
 
     def request_sample(self) -> None:
-        """Ask the capacity collector for a reading now rather than at its next tick."""
+        """Ask every capacity collector for a reading now rather than at its next tick."""
+        self.sample_requests += 1
         self._sample_wanted.set()
-
-    async def wait_sample_requested(self) -> None:
-        await self._sample_wanted.wait()
         self._sample_wanted = trio.Event()
+
+    async def wait_sample_requested(self, since: int) -> int:
+        """Return once a sample has been requested after request number `since`.
+
+        Each collector passes the count it last answered, so a request made while it was
+        busy sampling is not lost, and several collectors never swallow each other's.
+        """
+        while self.sample_requests == since:
+            await self._sample_wanted.wait()
+        return self.sample_requests
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
@@ -172,6 +228,9 @@ class SharedState:
     def capacity_quality(self, resource: str, now: float | None = None) -> Quality:
         observation = self._observations.get(resource)
         if observation is None:
+            return Quality.UNKNOWN
+        failed = self._unavailable.get(resource)
+        if failed is not None and failed[1] >= observation.taken_at:
             return Quality.UNKNOWN
         now = trio.current_time() if now is None else now
         return Quality.READY if now - observation.taken_at <= self.freshness_s else Quality.STALE
@@ -198,7 +257,7 @@ class SharedState:
         config = self.resources[name]
         quality = self.capacity_quality(name, now)
         observation = self._observations.get(name)
-        quality_detail = self._unavailable.get(name, "")
+        quality_detail = self._unavailable[name][0] if name in self._unavailable else ""
         if quality is Quality.STALE and observation is not None and not quality_detail:
             quality_detail = f"last reading {now - observation.taken_at:.0f}s old"
         if quality is not Quality.READY or observation is None:
@@ -225,9 +284,15 @@ class SharedState:
             return None
         if config.pressure is not None and not config.pressure.enabled:
             return None
-        return self._pressure.get(
-            config.name, PressureView(PressureQuality.UNKNOWN, detail="no pressure reading yet")
-        )
+        recorded = self._pressure.get(config.name)
+        if recorded is None:
+            return PressureView(PressureQuality.UNKNOWN, detail="no pressure reading yet")
+        view, at = recorded
+        age = trio.current_time() - at
+        if age > self.freshness_s:
+            # A pressure loop that stopped must not leave its last "clear" standing.
+            return PressureView(PressureQuality.STALE, detail=f"no pressure reading for {age:.0f}s")
+        return view
 
     def gate_input(
         self,

@@ -16,7 +16,7 @@ from vacancyd.admission import Ledger, Reservation
 from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
 from vacancyd.gate import owner_refusal, resource_refusal
-from vacancyd.model import OwnerScope, Quality, Refuse
+from vacancyd.model import OwnerScope, Quality, Refuse, ResourceKind
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
@@ -154,7 +154,7 @@ def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict
         "enabled": view.switch_on,
         "quality": view.quality.value,
         "age_s": _round(now - observation.taken_at) if observation else None,
-        "source": "psutil" if config.kind.value in ("memory", "cpu") else "nvml",
+        "source": "nvml" if config.kind is ResourceKind.NVIDIA_GPU else "psutil",
         "detail": view.quality_detail or view.policy_detail,
         "lendable": view.lendable if view.quality is Quality.READY else None,
         "spare_mib": view.spare_mib,

@@ -520,6 +520,7 @@ class NvmlCollector:
                 first = True
                 while True:
                     asked_at = trio.current_time()
+                    answered = self._state.sample_requests
                     if first:
                         async with trio.open_nursery() as first_samples:
                             await self._poll(first_samples, asked_at)
@@ -528,7 +529,7 @@ class NvmlCollector:
                     else:
                         await self._poll(background, asked_at)
                     with trio.move_on_at(asked_at + self._state.poll_interval_s):
-                        await self._state.wait_sample_requested()
+                        await self._state.wait_sample_requested(answered)
         finally:
             with trio.CancelScope(shield=True):
                 await self._release()

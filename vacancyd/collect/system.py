@@ -83,9 +83,11 @@ async def run_system_collector(
     probe = probe or SystemProbe()
     names = [r.name for r in resources if r.kind in (ResourceKind.MEMORY, ResourceKind.CPU)]
     started = False
+    answered = state.sample_requests
     while True:
         # The sample's time is when it was asked for: a slow probe must not look fresher.
         asked_at = trio.current_time()
+        answered = state.sample_requests
         try:
             reading = await run_probe(probe.read, deadline_s)
         except ProbeTimeout as exc:
@@ -103,4 +105,4 @@ async def run_system_collector(
             task_status.started()
             started = True
         with trio.move_on_after(state.poll_interval_s):
-            await state.wait_sample_requested()
+            await state.wait_sample_requested(answered)

@@ -64,7 +64,7 @@ async def run_presence(
                 log.warning("presence read from %s overran %.1fs", backend.name, deadline_s)
                 last = state.presence
                 if last is None or now - last.taken_at > state.freshness_s:
-                    state.veto.engage_without_reading(now, "presence readings stopped arriving")
+                    state.engage_veto_without_reading(now, "presence readings stopped arriving")
             if not started:
                 task_status.started()
                 started = True

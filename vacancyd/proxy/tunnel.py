@@ -77,6 +77,10 @@ class WebSocketTunnels:
     ) -> None:
         """Serve one connection whose first request is a WebSocket upgrade, then close it."""
         async with stream:
+            if b"\r\n\r\n" not in received:
+                # Over the head limit, or the client stopped before finishing it.
+                await _answer(stream, 400, "bad_request", "incomplete or oversized upgrade request")
+                return
             head_end = received.index(b"\r\n\r\n") + 4
             head, rest = received[:head_end], received[head_end:]
             request = _parse_head(head)
@@ -204,8 +208,14 @@ class WebSocketTunnels:
                         data = await source.receive_some(COPY_CHUNK)
                         if not data:
                             break
-                        with trio.fail_after(stall_s):
+                        with trio.move_on_after(stall_s) as stall:
                             await sink.send_all(data)
+                        if stall.cancelled_caught:
+                            log.info(
+                                "closing WebSocket tunnel on %s: a side stopped reading",
+                                self.upstream.name,
+                            )
+                            break
                         idle.deadline = trio.current_time() + idle_s
                 nursery.cancel_scope.cancel()
 

@@ -1,0 +1,192 @@
+"""The attributed-pressure loop: how much of each GPU's load is the owner's.
+
+Every pressure poll it reads per-process GPU utilisation from NVML, finds the processes
+that serve this machine's upstreams (by their listening sockets), subtracts those by
+(pid, start time), and feeds what is left, the owner's load, to each GPU's pressure guard.
+The guard's view goes to shared state for the gate; its rising edges go to shared state
+for reclaim. The loop also notices admitted work that never shows up on a GPU.
+
+Runs on its own cadence, separate from capacity, so a slow attribution read never delays
+a capacity sample or a presence poll. A round that took longer than the freshness bound is
+discarded as an unknown reading rather than believed late.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import trio
+
+from vacancyd.collect.attribution import (
+    UnseenWork,
+    UpstreamTree,
+    attribute_gpu_load,
+    current_start_times,
+    scan_upstream_trees,
+    upstreams_of,
+)
+from vacancyd.collect.calibration_store import CalibrationStore
+from vacancyd.collect.nvml import NvmlCollector
+from vacancyd.collect.pressure_guard import PressureGuard, build_threshold
+from vacancyd.collect.probe import ProbeTimeout, run_probe
+from vacancyd.collect.threshold import LearnedThreshold
+from vacancyd.config import PressureConfig, ResourceConfig, Target
+from vacancyd.state import SharedState
+
+log = logging.getLogger(__name__)
+
+SAVE_EVERY_S = 300.0
+
+
+def pressure_config(resource: ResourceConfig) -> PressureConfig | None:
+    """The GPU's pressure settings: on by default, off only when the table says so."""
+    config = resource.pressure or PressureConfig()
+    return config if config.enabled else None
+
+
+class PressureCollector:
+    def __init__(
+        self,
+        state: SharedState,
+        gpus: list[ResourceConfig],
+        targets: dict[str, Target],
+        nvml: NvmlCollector,
+        busy_upstreams: Callable[[], set[str]],
+        store: CalibrationStore | None,
+        *,
+        deadline_s: float,
+    ) -> None:
+        self._state = state
+        self._gpus = [gpu for gpu in gpus if pressure_config(gpu) is not None]
+        self._targets = targets
+        self._nvml = nvml
+        self._busy_upstreams = busy_upstreams
+        self._store = store
+        self._deadline_s = deadline_s
+        self._guards: dict[str, PressureGuard] = {}
+        self._identity: dict[str, str] = {}
+        self._last_seen_us: dict[str, int] = {}
+        self._unseen = UnseenWork()
+        self._last_save = -float("inf")
+
+    @property
+    def poll_s(self) -> float:
+        configs = [pressure_config(gpu) for gpu in self._gpus]
+        return min(config.poll_ms for config in configs if config is not None) / 1000.0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Poll until cancelled; started after the first round. Saves calibration on exit."""
+        if not self._gpus:
+            task_status.started()
+            await trio.sleep_forever()
+        if self._store is not None:
+            await trio.to_thread.run_sync(self._store.load)
+        try:
+            started = False
+            while True:
+                began = trio.current_time()
+                await self._round(began)
+                if not started:
+                    task_status.started()
+                    started = True
+                await self._maybe_save(began)
+                await trio.sleep_until(began + self.poll_s)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._save()
+
+    async def _round(self, began: float) -> None:
+        trees: dict[str, UpstreamTree] | None
+        try:
+            trees = await run_probe(partial(scan_upstream_trees, self._targets), self._deadline_s)
+        except (ProbeTimeout, OSError, Exception) as exc:  # psutil.Error is an Exception
+            log.warning("cannot find the upstreams' processes: %s", exc)
+            trees = None
+        presence_fresh = self._state.presence_view(began).fresh
+        busy = self._busy_upstreams()
+        seen: set[str] = set()
+        complete = trees is not None
+        for gpu in self._gpus:
+            guard = self._guard(gpu)
+            load: float | None = None
+            detail = ""
+            if trees is None:
+                detail = "the upstreams' processes could not be read"
+            else:
+                try:
+                    load, users = await self._owner_load(gpu.name, trees)
+                    seen |= users
+                except Exception as exc:
+                    detail = f"per-process GPU use unreadable: {exc}"
+            if load is None:
+                complete = False
+            now = trio.current_time()
+            if now - began > self._state.freshness_s:
+                load, detail = None, f"the reading took {now - began:.0f}s and was discarded"
+            guard.observe(load, now, learning=presence_fresh, detail=detail)
+            self._state.record_pressure(gpu.name, guard.view(now))
+            for edge in guard.take_edges():
+                self._state.add_edge("pressure", edge.at, edge.reason, gpu.name)
+        if complete:
+            unseen = self._unseen.observe(busy, seen)
+            if unseen != self._state.unseen_gpu_work:
+                for name in unseen - self._state.unseen_gpu_work:
+                    log.warning(
+                        "upstream %s has admitted work running but no process of it uses a GPU",
+                        name,
+                    )
+                self._state.unseen_gpu_work = unseen
+
+    async def _owner_load(
+        self, resource: str, trees: dict[str, UpstreamTree]
+    ) -> tuple[float, frozenset[str]]:
+        utilisation = await self._nvml.process_utilization(
+            resource, self._last_seen_us.get(resource, 0)
+        )
+        self._last_seen_us[resource] = utilisation.newest_timestamp_us
+        running = await self._nvml.processes(resource)
+        holders = [process.pid for process in (*running.compute, *running.graphics)]
+        pids = {pid for pid, _ in utilisation.samples} | set(holders)
+        start_times = await run_probe(partial(current_start_times, pids), self._deadline_s)
+        samples = [(pid, float(share)) for pid, share in utilisation.samples]
+        attribution = attribute_gpu_load(samples, trees, start_times)
+        users = attribution.upstreams_seen | upstreams_of(holders, trees, start_times)
+        return attribution.owner_load_pct, users
+
+    def _guard(self, gpu: ResourceConfig) -> PressureGuard:
+        guard = self._guards.get(gpu.name)
+        if guard is None:
+            config = pressure_config(gpu)
+            assert config is not None
+            identity = self._device_identity(gpu)
+            saved = self._store.saved(gpu.name, identity) if self._store else None
+            threshold = build_threshold(config, saved, source=f"{gpu.name}@{identity}")
+            guard = PressureGuard(gpu.name, config, threshold, started_at=trio.current_time())
+            self._guards[gpu.name] = guard
+            self._identity[gpu.name] = identity
+        return guard
+
+    def _device_identity(self, gpu: ResourceConfig) -> str:
+        """The card's UUID when NVML knows it, so a different card starts uncalibrated."""
+        for statistics in self._nvml.statistics().gpus:
+            if statistics.resource == gpu.name and statistics.uuid:
+                return statistics.uuid
+        return f"device {gpu.device}"
+
+    async def _maybe_save(self, now: float) -> None:
+        if now - self._last_save >= SAVE_EVERY_S:
+            self._last_save = now
+            await self._save()
+
+    async def _save(self) -> None:
+        if self._store is None:
+            return
+        for name, guard in self._guards.items():
+            if isinstance(guard.threshold, LearnedThreshold):
+                self._store.update(name, self._identity[name], guard.threshold)
+        try:
+            await trio.to_thread.run_sync(self._store.save)
+        except OSError as exc:
+            log.warning("cannot save the pressure calibration: %s", exc)
