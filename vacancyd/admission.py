@@ -17,7 +17,11 @@ cooperative scheduling they are atomic without a lock.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -26,7 +30,12 @@ from vacancyd.config import ResourceConfig, UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.gate import decide
 from vacancyd.model import RETRY_RESOURCE_BUSY, ModelNeed, Reason, Refuse
+from vacancyd.persist import read_json, write_json
 from vacancyd.state import SharedState
+
+log = logging.getLogger(__name__)
+
+HOLDS_KIND = "holds"
 
 # How long an admission waits for the post-release capacity sample it needs.
 POST_RELEASE_WAIT_S = 2.0
@@ -34,8 +43,21 @@ POST_RELEASE_WAIT_S = 2.0
 _job_ids = itertools.count(1)
 
 
-@attrs.frozen
+class RelayHandle(Protocol):
+    """How reclaim stops a proxied request: the proxy registers one per admitted job."""
+
+    def cancel(self, refusal: Refuse) -> None: ...
+
+
+@attrs.define(eq=False)
 class Reservation:
+    """One admitted borrowed job and the resources it holds.
+
+    Phases: "forwarding" while the proxy relays it; "tracking" while the upstream still
+    runs it after the HTTP exchange ended (a queued ComfyUI prompt); "held" when vacancyd
+    cannot prove it stopped, a hold that outlives restarts until proof or an admin release.
+    """
+
     job_id: int
     upstream: str
     resources: tuple[str, ...]
@@ -44,6 +66,8 @@ class Reservation:
     phase: str = "forwarding"
     # The upstream's own ids for this job (e.g. a ComfyUI prompt id vacancyd assigned).
     job_ids: tuple[str, ...] = ()
+    hold_reason: str = ""
+    held_since: str = ""
 
 
 @attrs.frozen
@@ -58,9 +82,11 @@ class LedgerStatistics:
 
 
 class Ledger:
-    def __init__(self, state: SharedState) -> None:
+    def __init__(self, state: SharedState, holds_path: Path | None = None) -> None:
         self._state = state
         self._holders: dict[str, Reservation] = {}
+        self._relays: dict[int, RelayHandle] = {}
+        self._holds_path = holds_path
         self._released_at: dict[str, float] = {}
         self._reserved_total = 0
         self._released_total = 0
@@ -78,11 +104,13 @@ class Ledger:
             holder = self._holders.get(name)
             if holder is not None:
                 self._busy_refusals[upstream] += 1
+                what = (
+                    f"held: {holder.hold_reason}"
+                    if holder.phase == "held"
+                    else f"serving another borrowed job (upstream {holder.upstream})"
+                )
                 return Refuse(
-                    Reason.RESOURCE_BUSY,
-                    RETRY_RESOURCE_BUSY,
-                    f"{name} is serving another borrowed job (upstream {holder.upstream})",
-                    resource=name,
+                    Reason.RESOURCE_BUSY, RETRY_RESOURCE_BUSY, f"{name} is {what}", resource=name
                 )
             if self.awaits_sample(name):
                 self._busy_refusals[upstream] += 1
@@ -106,7 +134,17 @@ class Ledger:
         return reservation
 
     def release(self, reservation: Reservation) -> None:
-        """End a job; its resources then wait for a fresh capacity sample."""
+        """End a job; its resources then wait for a fresh capacity sample.
+
+        A held job is not released by its connection ending: only proof or an admin does.
+        """
+        self._relays.pop(reservation.job_id, None)
+        if reservation.phase == "held":
+            return
+        self._free(reservation)
+
+    def _free(self, reservation: Reservation) -> None:
+        reservation.phase = "released"
         now = trio.current_time()
         for name in reservation.resources:
             if self._holders.get(name) is reservation:
@@ -114,6 +152,116 @@ class Ledger:
                 self._released_at[name] = now
         self._released_total += 1
         self._state.request_sample()
+        self._state.notify()
+
+    # -- reclaim support --------------------------------------------------------------------
+
+    def attach(self, reservation: Reservation, handle: RelayHandle) -> None:
+        self._relays[reservation.job_id] = handle
+
+    def entries_for(self, upstream: str) -> list[Reservation]:
+        return [r for r in self._unique_entries() if r.upstream == upstream]
+
+    def cancel(self, reservation: Reservation, refusal: Refuse) -> bool:
+        """Stop the proxied request of a job, if it is still being relayed."""
+        handle = self._relays.pop(reservation.job_id, None)
+        if handle is None:
+            return False
+        handle.cancel(refusal)
+        return True
+
+    def track(self, reservation: Reservation) -> None:
+        """The HTTP exchange ended but the upstream still runs the job: keep holding."""
+        self._relays.pop(reservation.job_id, None)
+        if reservation.phase == "forwarding":
+            reservation.phase = "tracking"
+            self._state.notify()
+
+    def hold(self, reservation: Reservation, reason: str) -> None:
+        """vacancyd cannot prove the job stopped: hold its resources durably."""
+        if reservation.phase == "held" or not self._holds(reservation):
+            return
+        reservation.phase = "held"
+        reservation.hold_reason = reason
+        reservation.held_since = datetime.now(UTC).isoformat(timespec="seconds")
+        log.warning(
+            "holding %s for job %d on %s: %s",
+            ", ".join(reservation.resources),
+            reservation.job_id,
+            reservation.upstream,
+            reason,
+        )
+        self._save_holds()
+        self._state.notify()
+
+    def release_hold(self, job_id: int, why: str) -> Reservation | None:
+        """End a durable hold (an admin's word, or proof that the job stopped)."""
+        for reservation in self._unique_entries():
+            if reservation.job_id == job_id and reservation.phase == "held":
+                log.info("released hold on job %d (%s): %s", job_id, reservation.upstream, why)
+                self._free(reservation)
+                self._save_holds()
+                return reservation
+        return None
+
+    def _holds(self, reservation: Reservation) -> bool:
+        return any(self._holders.get(name) is reservation for name in reservation.resources)
+
+    def _unique_entries(self) -> list[Reservation]:
+        return list({id(r): r for r in self._holders.values()}.values())
+
+    def _save_holds(self) -> None:
+        if self._holds_path is None:
+            return
+        held = [
+            {
+                "job_id": r.job_id,
+                "upstream": r.upstream,
+                "resources": list(r.resources),
+                "model": r.model,
+                "job_ids": list(r.job_ids),
+                "reason": r.hold_reason,
+                "since": r.held_since,
+            }
+            for r in self._unique_entries()
+            if r.phase == "held"
+        ]
+        try:
+            write_json(self._holds_path, HOLDS_KIND, {"holds": held})
+        except OSError as exc:
+            log.error("cannot save durable holds to %s: %s", self._holds_path, exc)
+
+    def restore_holds(self, known_resources: set[str]) -> int:
+        """Re-hold what an earlier run could not prove stopped. Returns how many."""
+        if self._holds_path is None:
+            return 0
+        payload = read_json(self._holds_path, HOLDS_KIND)
+        entries = payload.get("holds") if payload else None
+        if not isinstance(entries, list):
+            return 0
+        restored = 0
+        for entry in entries:
+            problem = _hold_problem(entry, known_resources)
+            if problem:
+                log.warning("ignoring saved hold %r: %s", entry, problem)
+                continue
+            reservation = Reservation(
+                job_id=next(_job_ids),
+                upstream=entry["upstream"],
+                resources=tuple(entry["resources"]),
+                model=entry.get("model"),
+                started_at=trio.current_time(),
+                phase="held",
+                job_ids=tuple(entry.get("job_ids", [])),
+                hold_reason=f"{entry['reason']} (restored after restart)",
+                held_since=str(entry.get("since", "")),
+            )
+            for name in reservation.resources:
+                self._holders[name] = reservation
+            restored += 1
+        if restored:
+            self._save_holds()
+        return restored
 
     def awaits_sample(self, resource: str) -> bool:
         released = self._released_at.get(resource)
@@ -141,9 +289,8 @@ class Ledger:
         return self._holders.get(resource)
 
     def statistics(self) -> LedgerStatistics:
-        entries = {id(r): r for r in self._holders.values()}
         return LedgerStatistics(
-            entries=tuple(entries.values()),
+            entries=tuple(self._unique_entries()),
             awaiting_sample=tuple(
                 sorted(name for name in list(self._released_at) if self.awaits_sample(name))
             ),
@@ -198,3 +345,34 @@ class Admission:
 
     def release(self, reservation: Reservation) -> None:
         self._ledger.release(reservation)
+
+    def attach(self, reservation: Reservation, handle: RelayHandle) -> None:
+        self._ledger.attach(reservation, handle)
+
+    def track(self, reservation: Reservation) -> None:
+        self._ledger.track(reservation)
+
+    def hold(self, reservation: Reservation, reason: str) -> None:
+        self._ledger.hold(reservation, reason)
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._state.poll_interval_s
+
+
+def _hold_problem(entry: Any, known_resources: set[str]) -> str:
+    if not isinstance(entry, dict):
+        return "not a table"
+    resources = entry.get("resources")
+    if (
+        not isinstance(resources, list)
+        or not resources
+        or not all(isinstance(name, str) for name in resources)
+    ):
+        return "no resources"
+    unknown = [name for name in resources if name not in known_resources]
+    if unknown:
+        return f"resources no longer configured: {', '.join(unknown)}"
+    if not isinstance(entry.get("upstream"), str) or not isinstance(entry.get("reason"), str):
+        return "no upstream or reason"
+    return ""

@@ -34,6 +34,7 @@ from vacancyd.presence.loop import run_presence
 from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
 from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_upgrade
+from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard, serve_app
 from vacancyd.state import SharedState
 
@@ -95,6 +96,13 @@ def _only_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+async def _background_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+    """A nursery for short-lived tasks that outlive the request that started them."""
+    async with trio.open_nursery() as nursery:
+        task_status.started(nursery)
+        await trio.sleep_forever()
+
+
 def describe_failure(exc: BaseException) -> str:
     """Name the real errors inside any nesting of exception groups."""
     if isinstance(exc, BaseExceptionGroup):
@@ -131,7 +139,10 @@ async def run_daemon(
     except OSError as exc:
         raise StartupError(f"server.state_dir {state_dir}: {exc.strerror or exc}") from exc
     state = SharedState(config)
-    ledger = Ledger(state)
+    ledger = Ledger(state, holds_path=state_dir / "holds.json")
+    restored = ledger.restore_holds(set(state.resources))
+    if restored:
+        log.warning("%d durable hold(s) restored: those resources refuse until released", restored)
     decisions = DecisionLog([u.name for u in config.upstream])
     admission = Admission(state, ledger, decisions)
     auth = Authenticator(config.auth)
@@ -175,15 +186,22 @@ async def run_daemon(
         for name, component in (extra_components or {}).items():
             await supervisor.start(name, component)
 
+        background: trio.Nursery = await supervisor.start("job-trackers", _background_nursery)
+        reclaims: dict[str, UpstreamReclaim] = {}
         can_unload: dict[str, bool] = {}
         guards: dict[str, ListenerGuard] = {}
         for upstream in config.upstream:
             adapter = adapter_for(upstream.adapter.value)
-            can_unload[upstream.name] = adapter.can_unload
+            can_unload[upstream.name] = adapter.actions is not None
             credential = (
                 read_token_file(upstream.credential_file) if upstream.credential_file else None
             )
             app = ProxyApp(upstream, adapter, admission, auth, limits, client, credential)
+            app.background = background
+            reclaims[upstream.name] = UpstreamReclaim(
+                upstream, adapter, state, ledger, client, credential
+            )
+            await supervisor.start(f"reclaim:{upstream.name}", reclaims[upstream.name].run)
             tunnels = WebSocketTunnels(
                 upstream, adapter, app.target, admission, auth, limits, credential
             )
@@ -203,7 +221,7 @@ async def run_daemon(
                 ),
             )
         guards["api"] = ListenerGuard(limits)
-        api = create_api_app(state, ledger, decisions, auth, can_unload, guards)
+        api = create_api_app(state, ledger, decisions, auth, can_unload, guards, reclaims)
         state.listeners["api"] = await supervisor.start(
             "api",
             partial(

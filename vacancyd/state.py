@@ -216,6 +216,10 @@ class SharedState:
     async def wait_changed(self) -> None:
         await self._changed.wait()
 
+    def notify(self) -> None:
+        """Wake everyone waiting on a change (the ledger's changes count as changes too)."""
+        self._notify()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()

@@ -16,6 +16,13 @@ State is kept the way ComfyUI keeps it, because the reclaim tests depend on the 
   is given); POST /queue {"delete": [...]} / {"clear": true} edits the pending queue only.
 - POST /free sets flags that the worker applies after the running prompt ends, or at once
   when idle; `frees` records each application and `on_free` hooks are called with it.
+- Server generations: `jobs_api=False` is a build without /api/jobs (404, as aiohttp answers
+  an unknown route), `targeted_interrupt=False` one older than 0.3.57, whose /interrupt
+  ignores a prompt_id and stops whatever runs.
+- Faults a reclaim must survive: `add_stale_running()` leaves a dead job's row in
+  queue_running (no worker runs it, nothing is loaded for it, /free is not held up by it);
+  `queue_reply` replaces the /queue body (oversized, broken); `hang` names routes that never
+  answer until the client goes away; `broken` routes answer a bare error status.
 - /ws sends a status message on connect and on every queue change, and per-prompt events
   to the socket named by the prompt's client_id (to every socket when it has none).
 - Like ComfyUI without --enable-cors-header, it answers a bare 403 to any request (HTTP or
@@ -93,6 +100,8 @@ class FakeComfyUI:
     accepts_prompt_id: bool = True
     strict_prompt_id: bool = True
     version: str = "0.3.66"
+    jobs_api: bool = True
+    targeted_interrupt: bool = True
     url: str = ""
     seen: list[Seen] = attrs.Factory(list)
     # The bodies of accepted submissions, exactly as received.
@@ -105,6 +114,14 @@ class FakeComfyUI:
     frees: list[FreeApplied] = attrs.Factory(list)
     on_free: list[Callable[[FreeApplied], None]] = attrs.Factory(list)
     interrupts: list[str | None] = attrs.Factory(list)
+    # Rows a dead job left in queue_running: listed, never run, never holding /free back.
+    stale_running: list[QueueItem] = attrs.Factory(list)
+    # Builds the /queue body from the document the server would send, when set.
+    queue_reply: Callable[[dict[str, Any]], bytes] | None = None
+    # Routes (as after the /api prefix is removed) that never answer; routes that answer
+    # a bare status instead of working.
+    hang: set[str] = attrs.Factory(set)
+    broken: dict[str, int] = attrs.Factory(dict)
     changes: Changes = attrs.Factory(Changes)
     number: int = 0
     _held: trio.Event | None = None
@@ -127,6 +144,20 @@ class FakeComfyUI:
         running = [self.running.prompt_id] if self.running else []
         return running + [item.prompt_id for item in self.pending]
 
+    def add_stale_running(self, prompt_id: str | None = None) -> str:
+        """Leave a row in queue_running for a job that died without ComfyUI clearing it."""
+        prompt_id = prompt_id or str(uuid.uuid4())
+        self.stale_running.append(QueueItem(-1, prompt_id, graph(), {}, ["9"]))
+        self.changes.note()
+        return prompt_id
+
+    def queue_document(self) -> dict[str, Any]:
+        running = ([self.running] if self.running else []) + self.stale_running
+        return {
+            "queue_running": [item.row() for item in running],
+            "queue_pending": [item.row() for item in self.pending],
+        }
+
     async def run_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._worker)
 
@@ -141,8 +172,13 @@ class FakeComfyUI:
             body = await read_body(receive)
             self.seen.append(seen_request(scope, body))
             self.changes.note()
+            path = _route_path(scope["path"])
             if cross_origin(scope["headers"]):
                 await send_empty(send, 403)
+            elif path in self.hang:
+                await wait_for_disconnect(receive)
+            elif path in self.broken:
+                await send_empty(send, self.broken[path])
             else:
                 await self._http(scope, body, send)
 
@@ -167,20 +203,17 @@ class FakeComfyUI:
             case "POST", "/prompt":
                 await self._submit(send, request)
             case "GET", "/queue":
-                await send_json(
-                    send,
-                    200,
-                    {
-                        "queue_running": [self.running.row()] if self.running else [],
-                        "queue_pending": [item.row() for item in self.pending],
-                    },
-                )
+                if self.queue_reply is None:
+                    await send_json(send, 200, self.queue_document())
+                else:
+                    reply = self.queue_reply(self.queue_document())
+                    await send_bytes(send, 200, reply, b"application/json")
             case "POST", "/queue":
                 self._edit_queue(request if isinstance(request, dict) else {})
                 await send_empty(send, 200)
             case "POST", "/interrupt":
                 target = request.get("prompt_id") if isinstance(request, dict) else None
-                self.interrupt(target)
+                self.interrupt(target if self.targeted_interrupt else None)
                 await send_empty(send, 200)
             case "POST", "/free":
                 self._free(request if isinstance(request, dict) else {})
@@ -196,6 +229,8 @@ class FakeComfyUI:
                     await send_bytes(send, 200, PNG, b"image/png")
                 else:
                     await send_empty(send, 404)
+            case _, _ if path.startswith("/api/jobs") and not self.jobs_api:
+                await send_empty(send, 404)
             case "GET", _ if path.startswith("/api/jobs/"):
                 await self._job(send, path.removeprefix("/api/jobs/"))
             case "POST", _ if path.startswith("/api/jobs/") and path.endswith("/cancel"):
@@ -460,6 +495,12 @@ class FakeComfyUI:
             self._broadcast(kind, data)
         elif (channel := self._sockets.get(item.client_id)) is not None:
             _offer(channel, {"type": kind, "data": data})
+
+
+async def wait_for_disconnect(receive: Any) -> None:
+    """A hung server: answer nothing, and let the request go only when the client leaves."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def cross_origin(headers: list[tuple[bytes, bytes]]) -> bool:

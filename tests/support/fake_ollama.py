@@ -10,6 +10,9 @@ the model leaves /api/ps only after `unload_delay_s` and after its in-flight req
 Streams are NDJSON on /api/generate and /api/chat and SSE on /v1/chat/completions. A test
 can hold every stream after its first chunk with `hold_streams()` and let it go with
 `release_streams()`, to prove a proxy relays chunk by chunk.
+
+Faults for reclaim tests: `ps_reply` replaces the /api/ps body (a malformed reply), and
+`hang` names paths that never answer until the client goes away.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Model:
     parameter_size: str = "3.2B"
     quantization_level: str = "Q4_K_M"
     context_length: int = 4096
+    # Bytes on the GPU when loaded; None: all of it (`size`). Less than size is a CPU spill.
+    size_vram: int | None = None
 
     @property
     def digest(self) -> str:
@@ -95,6 +100,8 @@ class FakeOllama:
     # Every model that left memory, in order; and hooks called with its name when one does.
     unloaded: list[str] = attrs.Factory(list)
     on_unload: list[Callable[[str], None]] = attrs.Factory(list)
+    ps_reply: bytes | None = None
+    hang: set[str] = attrs.Factory(set)
     changes: Changes = attrs.Factory(Changes)
     # Each stream's chunks, counted as sent, so a test can see where a held stream stands.
     chunks_sent: int = 0
@@ -142,7 +149,10 @@ class FakeOllama:
             "/v1/chat/completions": {"POST": self._v1_chat},
         }
         handlers = routes.get(path)
-        if handlers is None:
+        if path in self.hang:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # never answer; let the request go when the client leaves
+        elif handlers is None:
             await send_bytes(send, 404, b"404 page not found", b"text/plain")
         elif method not in handlers:
             await send_bytes(send, 405, b"405 method not allowed", b"text/plain")
@@ -170,6 +180,9 @@ class FakeOllama:
         await send_json(send, 200, {"models": models})
 
     async def _ps(self, send: Any, _: Any) -> None:
+        if self.ps_reply is not None:
+            await send_bytes(send, 200, self.ps_reply, b"application/json; charset=utf-8")
+            return
         now = trio.current_time()
         rows = []
         for resident in self.resident.values():
@@ -190,7 +203,7 @@ class FakeOllama:
                         "digest": model.digest,
                         "details": model.details(),
                         "expires_at": self.wall_time(expires),
-                        "size_vram": model.size,
+                        "size_vram": model.size if model.size_vram is None else model.size_vram,
                         "context_length": model.context_length,
                     },
                 )

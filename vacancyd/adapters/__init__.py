@@ -4,7 +4,25 @@ No module outside this package names a product. The proxy asks an adapter to cla
 request and to read what it needs from a body; everything product-specific stays here.
 """
 
+from vacancyd.adapters.actions import (
+    CancelReport,
+    JobState,
+    ReclaimActions,
+    UnloadReport,
+    UpstreamContext,
+)
 from vacancyd.adapters.base import Adapter, Classification, RouteClass, WorkFacts
 from vacancyd.adapters.registry import adapter_for
 
-__all__ = ["Adapter", "Classification", "RouteClass", "WorkFacts", "adapter_for"]
+__all__ = [
+    "Adapter",
+    "CancelReport",
+    "Classification",
+    "JobState",
+    "ReclaimActions",
+    "RouteClass",
+    "UnloadReport",
+    "UpstreamContext",
+    "WorkFacts",
+    "adapter_for",
+]

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from vacancyd.adapters.actions import ReclaimActions
+
 
 class RouteClass(enum.Enum):
     WORK = "work"  # inference: gated by the gate and the ledger
@@ -100,11 +102,17 @@ class Adapter:
     # Whether unload / cancel exist (later issues); /status says when memory recovery is not
     # guaranteed.
     can_unload: bool = False
+    # The upstream calls a reclaim makes (unload, cancel borrowed jobs, ask a job's state).
+    # None: the server has no such requests, so a reclaim can only refuse and cut streams.
+    actions: ReclaimActions | None = None
     # Request headers (lower-case names) the proxy must not forward to this upstream, on
     # requests and WebSocket upgrades alike. The proxy rewrites Host to the upstream's own
     # address, so a browser's Origin or Sec-Fetch-Site no longer matches what the upstream
     # sees; an upstream with a CSRF check on those headers would refuse every browser client.
     drop_request_headers: frozenset[bytes] = frozenset()
+    # Whether cutting the connection stops the upstream's work. Where it does not (generic
+    # servers that finish detached work), a job cut by reclaim is held until proven stopped.
+    stops_on_disconnect: bool = True
 
     def classify(self, method: str, raw_path: bytes, query: bytes) -> Classification:
         try:

@@ -97,6 +97,7 @@ def refuse_long_job(path: str, body: Mapping[str, Any]) -> str | None:
 
 
 CHATTERBOX = Adapter(
+    stops_on_disconnect=False,
     name="chatterbox",
     routes=(
         *work(*_WORK_JSON, *LONG_JOB_PATHS),

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vacancyd.adapters.base import Adapter, Route, RouteClass, WorkFacts, reads, work
+from vacancyd.adapters.comfyui_actions import ComfyUIActions
 
 
 def _both(*paths: str) -> tuple[str, ...]:
@@ -149,6 +150,8 @@ COMFYUI = Adapter(
     describe_work=describe_submission,
     # POST /free unloads models once the running prompt ends.
     can_unload=True,
+    # Borrowed prompts are deleted or interrupted by id; /free unless foreign work is queued.
+    actions=ComfyUIActions(),
     # ComfyUI refuses (bare 403) a request whose Origin host differs from a loopback Host,
     # and newer builds refuse Sec-Fetch-Site: cross-site; behind the proxy both always differ.
     drop_request_headers=frozenset({b"origin", b"sec-fetch-site"}),

@@ -8,6 +8,7 @@ listed, so they fail closed.
 from __future__ import annotations
 
 from vacancyd.adapters.base import Adapter, Route, RouteClass, reads, work
+from vacancyd.adapters.ollama_actions import OllamaActions
 from vacancyd.adapters.openai import refuse_background_response
 
 OLLAMA = Adapter(
@@ -34,4 +35,5 @@ OLLAMA = Adapter(
     health_paths=frozenset({"/"}),
     refuse_body=refuse_background_response,
     can_unload=True,
+    actions=OllamaActions(),
 )

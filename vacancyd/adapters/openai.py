@@ -34,6 +34,7 @@ def refuse_background_response(path: str, body: Mapping[str, Any]) -> str | None
 
 
 OPENAI = Adapter(
+    stops_on_disconnect=False,
     name="openai",
     routes=(*OPENAI_WORK, *OPENAI_READS, OPENAI_REALTIME),
     refuse_body=refuse_background_response,

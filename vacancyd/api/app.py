@@ -19,6 +19,7 @@ from vacancyd.api.status import is_ready, status_document
 from vacancyd.auth import Authenticator
 from vacancyd.config import Scope
 from vacancyd.decisions import DecisionLog
+from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
@@ -45,6 +46,7 @@ def create_api_app(
     auth: Authenticator,
     can_unload: dict[str, bool],
     guards: dict[str, ListenerGuard] | None = None,
+    reclaims: dict[str, UpstreamReclaim] | None = None,
 ) -> QuartTrio:
     app = QuartTrio("vacancyd.api")
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
@@ -72,7 +74,7 @@ def create_api_app(
     @app.get("/status")
     async def status() -> Response:
         return denied(Scope.READ) or _json(
-            status_document(state, ledger, decisions, can_unload, guards or {})
+            status_document(state, ledger, decisions, can_unload, guards or {}, reclaims or {})
         )
 
     @app.get("/metrics")
@@ -110,6 +112,16 @@ def create_api_app(
             return enabled
         state.set_resource_switch(name, enabled)
         return _json({"resource": name, "enabled": enabled})
+
+    @app.post("/admin/holds/<int:job_id>/release")
+    async def admin_release_hold(job_id: int) -> Response:
+        refusal = denied(Scope.ADMIN)
+        if refusal is not None:
+            return refusal
+        released = ledger.release_hold(job_id, "released by an admin")
+        if released is None:
+            return _error(404, "unknown_hold", f"no durable hold for job {job_id}")
+        return _json({"released": job_id, "resources": list(released.resources)})
 
     @app.get("/")
     async def console() -> Response:

@@ -17,6 +17,7 @@ from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
 from vacancyd.gate import owner_refusal, resource_refusal
 from vacancyd.model import OwnerScope, Quality, Refuse, ResourceKind
+from vacancyd.reclaim import ReclaimRecord, UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
@@ -53,8 +54,10 @@ def status_document(
     decisions: DecisionLog,
     adapters_can_unload: dict[str, bool],
     guards: dict[str, ListenerGuard] | None = None,
+    reclaims: dict[str, UpstreamReclaim] | None = None,
 ) -> dict[str, Any]:
     guards = guards or {}
+    reclaims = reclaims or {}
     now = trio.current_time()
     config = state.config
     stats = ledger.statistics()
@@ -106,6 +109,33 @@ def status_document(
         },
         "collectors": dict(state.collector_notes),
     }
+
+
+def _reclaim(reclaim: UpstreamReclaim | None, now: float) -> dict[str, Any] | None:
+    if reclaim is None:
+        return None
+
+    def record(r: ReclaimRecord | None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        return {
+            "trigger": r.trigger,
+            "policy": r.policy,
+            "phase": r.phase,
+            "edges_age_s": [_round(now - at) for at in r.edges],
+            "deadline_in_s": _round(r.deadline - now) if r.deadline is not None else None,
+            "cancelled_jobs": list(r.cancelled_jobs),
+            "upstream_cancel": r.upstream_cancel,
+            "unload": r.unload,
+            "unload_requested_after_s": _round(r.unload_requested_at - r.edges[0])
+            if r.unload_requested_at is not None
+            else None,
+            "unload_confirmed_after_s": _round(r.unload_confirmed_at - r.edges[0])
+            if r.unload_confirmed_at is not None
+            else None,
+        }
+
+    return {"current": record(reclaim.current), "last": record(reclaim.last)}
 
 
 def _connections(guard: ListenerGuard | None) -> dict[str, int] | None:
@@ -179,6 +209,9 @@ def _reservation(reservation: Reservation, now: float) -> dict[str, Any]:
         "model": reservation.model,
         "resources": list(reservation.resources),
         "running_s": _round(now - reservation.started_at),
+        "job_ids": list(reservation.job_ids),
+        "hold_reason": reservation.hold_reason or None,
+        "held_since": reservation.held_since or None,
     }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from vacancyd.adapters import Adapter, Classification, RouteClass, WorkFacts
+from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Admission, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Management, Scope, UpstreamConfig, parse_target
@@ -29,6 +30,7 @@ from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, r
 from vacancyd.proxy.forward import DisconnectWatch, open_upstream
 from vacancyd.proxy.headers import header_value, is_cross_origin, request_headers
 from vacancyd.proxy.replies import send_error, send_refusal
+from vacancyd.proxy.tracking import track_job
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class ProxyApp:
         self._credential = credential
         self._max_body = limits.max_request_body_mib * MIB
         self.budget = BodyBudget(limits.buffered_budget_mib * MIB)
+        # Where tracking tasks for jobs that outlive their request run (set by the service).
+        self.background: trio.Nursery | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
@@ -165,10 +169,33 @@ class ProxyApp:
             )
             await send_refusal(send, outcome)
             return
+        status: int | None = None
         try:
-            await self._forward(found, scope, receive, send, body, reservation=outcome)
+            status = await self._forward(found, scope, receive, send, body, reservation=outcome)
         finally:
-            self._admission.release(outcome)
+            actions = self.adapter.actions
+            if (
+                status is not None
+                and 200 <= status < 300
+                and outcome.job_ids
+                and actions is not None
+                and self.background is not None
+            ):
+                # The upstream accepted a job it runs on its own: hold until it is done.
+                self._admission.track(outcome)
+                self.background.start_soon(
+                    track_job,
+                    self._admission,
+                    outcome,
+                    actions,
+                    self.context(),
+                    self.upstream.completion_timeout_s,
+                )
+            else:
+                self._admission.release(outcome)
+
+    def context(self) -> UpstreamContext:
+        return UpstreamContext(self._client, self.target, self._credential)
 
     @asynccontextmanager
     async def _buffered_body(
@@ -237,7 +264,14 @@ class ProxyApp:
         send: Any,
         body: bytes,
         reservation: Reservation | None,
-    ) -> None:
+    ) -> int | None:
+        """Relay one request; returns the upstream's status, or None if none was relayed.
+
+        The upstream is read by its own task into a one-chunk channel and the borrower is
+        written from it. Cancelling the relay (the borrower left, or reclaim cut the job)
+        stops the reader at once and closes the upstream connection, even while the writer
+        is still stuck on a borrower that stopped reading.
+        """
         headers = request_headers(
             scope["headers"],
             host=self.target.host_header,
@@ -245,9 +279,13 @@ class ProxyApp:
             credential=self._credential,
             dropped=self.adapter.drop_request_headers,
         )
+        relay = Relay()
+        if reservation is not None:
+            self._admission.attach(reservation, relay)
+        watch = DisconnectWatch(receive, relay.scope)
         started = False
-        with trio.CancelScope() as relay:
-            watch = DisconnectWatch(receive, relay)
+        status: int | None = None
+        with relay.scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch.run)
                 try:
@@ -267,7 +305,10 @@ class ProxyApp:
                         send, 502, "upstream_unavailable", f"the upstream did not answer: {exc}"
                     )
                     nursery.cancel_scope.cancel()
-                    return
+                    return None
+                status = response.status
+                chunks_in, chunks_out = trio.open_memory_channel[bytes](1)
+                nursery.start_soon(response.pump, chunks_in)
                 try:
                     await send(
                         {
@@ -277,7 +318,12 @@ class ProxyApp:
                         }
                     )
                     started = True
-                    await response.relay_body(send, watch)
+                    async for chunk in chunks_out:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if response.failure is not None:
+                        raise response.failure
+                    watch.finishing = True
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except Exception as exc:
                     # After the headers there is no honest way to report an error except to
                     # break the stream, so the borrower never mistakes it for a clean end.
@@ -288,10 +334,10 @@ class ProxyApp:
                         exc,
                     )
                     raise UpstreamStreamBroken(str(exc)) from exc
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await response.aclose()
                 nursery.cancel_scope.cancel()
+        if relay.refusal is not None:
+            await self._answer_reclaimed(send, relay.refusal, started, scope, found)
+            return None
         if watch.client_left:
             log.info(
                 "client left %s %s on %s%s",
@@ -300,6 +346,41 @@ class ProxyApp:
                 self.upstream.name,
                 f" (job {reservation.job_id})" if reservation else "",
             )
+            return None
+        return status
+
+    async def _answer_reclaimed(
+        self,
+        send: Any,
+        refusal: Refuse,
+        started: bool,
+        scope: dict[str, Any],
+        found: Classification,
+    ) -> None:
+        log.info(
+            "reclaim cut %s %s on %s %s: %s",
+            scope["method"],
+            found.path,
+            self.upstream.name,
+            "mid-stream" if started else "before its answer",
+            refusal.detail,
+        )
+        if not started:
+            await send_refusal(send, refusal)
+            return
+        raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
+
+
+class Relay:
+    """The handle reclaim uses to cut one proxied job, and why it was cut."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.refusal: Refuse | None = None
+
+    def cancel(self, refusal: Refuse) -> None:
+        self.refusal = refusal
+        self.scope.cancel()
 
 
 class UpstreamStreamBroken(Exception):

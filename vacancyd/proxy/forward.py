@@ -87,23 +87,31 @@ class UpstreamResponse:
 
     def __init__(self, response: httpx.Response, target: Target) -> None:
         self._response = response
+        self.failure: Exception | None = None
         self.status = response.status_code
         self.headers = [
             (name, rewrite_location(value, target) if name == b"location" else value)
             for name, value in response_headers(response.headers.raw)
         ]
 
-    async def relay_body(self, send: Any, watch: DisconnectWatch) -> None:
-        """Send each chunk as it arrives; a broken upstream stream raises, never ends cleanly."""
-        chunks_iterator = cast(AsyncGenerator[bytes, None], self._response.aiter_raw())
-        async with aclosing(chunks_iterator) as chunks:
-            async for chunk in chunks:
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        # From here a disconnect is the server finishing the exchange, not the client leaving;
-        # cancelling now would abort the server's own close and keep-alive handling.
-        watch.finishing = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    async def pump(self, chunks: trio.MemorySendChannel[bytes]) -> None:
+        """Read the upstream body into `chunks`; always closes the upstream response.
+
+        A broken upstream stream is kept in `failure` for the writer, which must then break
+        the borrower's stream rather than end it cleanly.
+        """
+        async with chunks:
+            try:
+                raw = cast(AsyncGenerator[bytes, None], self._response.aiter_raw())
+                async with aclosing(raw) as pieces:
+                    async for piece in pieces:
+                        if piece:
+                            await chunks.send(piece)
+            except httpx.HTTPError as exc:
+                self.failure = exc
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._response.aclose()
 
     async def aclose(self) -> None:
         await self._response.aclose()

@@ -1,0 +1,337 @@
+"""Giving the machine back: what happens to borrowed work when the owner returns.
+
+One task per upstream listens for rising edges in shared state: the owner veto engaging
+(host-scoped upstreams only) and a resource's pressure guard engaging or its reading
+staying unknown too long (upstreams that use that resource; while the veto is engaged,
+only resource-scoped ones, since the veto has already reclaimed the rest). Each resource's
+edges are its own: an edge on one GPU never touches an upstream that does not use it.
+
+The upstream's `on_owner_return` policy decides what happens to work admitted before the
+edge:
+* cancel: its proxied requests are cut at once;
+* drain (default): they may finish until `drain_timeout_s` after the FIRST edge, then are
+  cut; later edges join the same reclaim and never move its deadline;
+* finish: they may finish; nothing is cut.
+While a drain or finish waits it re-checks its trigger with the gate's own checks; if the
+owner has gone again and every pressured resource reads fresh, calibrated and clear, the
+reclaim stands down and nothing is cut or unloaded.
+
+Then, where the adapter can: borrowed jobs the upstream still runs on its own (a queued
+ComfyUI prompt) are cancelled by id (never in finish mode), and with `yield_on_veto` the
+upstream is asked to unload; an unload is a request, not a fact, so it is confirmed by
+watching the GPU's free memory come back. Work whose stop cannot be proved is held
+durably in the ledger. Each reclaim publishes its phase for /status.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+
+import attrs
+import httpx
+import trio
+
+from vacancyd.adapters import Adapter
+from vacancyd.adapters.actions import UpstreamContext
+from vacancyd.admission import Ledger, Reservation
+from vacancyd.config import OnOwnerReturn, UpstreamConfig, parse_target
+from vacancyd.gate import owner_refusal
+from vacancyd.model import (
+    MIB,
+    RETRY_OWNER_VETO,
+    RETRY_RESOURCE_PRESSURED,
+    OwnerScope,
+    PressureQuality,
+    Reason,
+    Refuse,
+    ResourceKind,
+)
+from vacancyd.state import Edge, SharedState
+
+log = logging.getLogger(__name__)
+
+ACTION_DEADLINE_S = 10.0
+CONFIRM_DEADLINE_S = 10.0
+# An unload counts as confirmed once this share of what the upstream said it held is free.
+CONFIRM_SHARE = 0.8
+
+
+@attrs.define
+class ReclaimRecord:
+    """What one reclaim did, for /status and the logs."""
+
+    trigger: str
+    edges: list[float]
+    policy: str
+    phase: str = "waiting"  # waiting | stood_down | proceeding | done
+    deadline: float | None = None
+    cancelled_jobs: list[int] = attrs.Factory(list)
+    upstream_cancel: str = ""
+    unload: str = ""
+    unload_requested_at: float | None = None
+    unload_confirmed_at: float | None = None
+    finished_at: float | None = None
+
+
+@attrs.define
+class ReclaimStatistics:
+    reclaims: Counter[tuple[str, str]] = attrs.Factory(Counter)  # (trigger, outcome)
+    cancellations: int = 0
+    unload_requested_s: list[float] = attrs.Factory(list)
+    unload_confirmed_s: list[float] = attrs.Factory(list)
+
+
+class UpstreamReclaim:
+    def __init__(
+        self,
+        upstream: UpstreamConfig,
+        adapter: Adapter,
+        state: SharedState,
+        ledger: Ledger,
+        client: httpx.AsyncClient | None,
+        credential: str | None,
+    ) -> None:
+        self.upstream = upstream
+        self.adapter = adapter
+        self._state = state
+        self._ledger = ledger
+        self._client = client
+        self._credential = credential
+        self._resources = (upstream.resource, *upstream.also_requires)
+        self.current: ReclaimRecord | None = None
+        self.last: ReclaimRecord | None = None
+        self.statistics = ReclaimStatistics()
+
+    # -- edges --------------------------------------------------------------------------
+
+    def _concerns(self, edge: Edge) -> bool:
+        host_scoped = self.upstream.owner_scope is OwnerScope.HOST
+        if edge.kind == "owner":
+            return host_scoped
+        if edge.resource not in self._resources:
+            return False
+        # While the owner's veto stands, it has already reclaimed host-scoped work.
+        return not (host_scoped and self._state.veto.engaged)
+
+    async def _next_edges(self, seen: int) -> tuple[list[Edge], int]:
+        while True:
+            fresh = self._state.edges_after(seen)
+            if fresh:
+                seen = fresh[-1].seq
+                mine = [edge for edge in fresh if self._concerns(edge)]
+                if mine:
+                    return mine, seen
+            await self._state.wait_changed()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer edges one reclaim at a time until cancelled."""
+        seen = self._state.edge_seq
+        task_status.started()
+        while True:
+            edges, seen = await self._next_edges(seen)
+            seen = await self.reclaim(edges, seen)
+
+    # -- one reclaim ----------------------------------------------------------------------
+
+    async def reclaim(self, edges: list[Edge], seen: int) -> int:
+        """Answer these edges (and any that coalesce into them); returns the last seq seen."""
+        first = edges[0]
+        policy = self.upstream.on_owner_return
+        refusal = self._refusal_for(first)
+        record = ReclaimRecord(
+            trigger=first.kind if first.resource is None else f"pressure:{first.resource}",
+            edges=[edge.at for edge in edges],
+            policy=policy.value,
+        )
+        if policy is OnOwnerReturn.CANCEL:
+            record.deadline = first.at
+        elif policy is OnOwnerReturn.DRAIN:
+            record.deadline = first.at + self.upstream.drain_timeout_s
+        self.current = record
+        affected = [
+            r for r in self._ledger.entries_for(self.upstream.name) if r.started_at <= first.at
+        ]
+        log.info(
+            "reclaiming %s (%s, %s): %d job(s) admitted before the edge",
+            self.upstream.name,
+            record.trigger,
+            policy.value,
+            len(affected),
+        )
+        stood_down = False
+        limit = record.deadline
+        if policy is OnOwnerReturn.FINISH:
+            limit = first.at + self.upstream.completion_timeout_s
+        with trio.move_on_at(limit if limit is not None else math.inf):
+            while self._still_running(affected):
+                if policy is not OnOwnerReturn.CANCEL and self._trigger_cleared(first):
+                    stood_down = True
+                    break
+                await self._state.wait_changed()
+                for edge in self._state.edges_after(seen):
+                    seen = edge.seq
+                    if self._concerns(edge):
+                        record.edges.append(edge.at)  # coalesces; the deadline stays
+        if stood_down:
+            record.phase = "stood_down"
+            log.info("reclaim of %s stood down: the trigger cleared", self.upstream.name)
+            self._finish(record, "stood_down")
+            return seen
+        record.phase = "proceeding"
+        running = self._still_running(affected)
+        if running and policy is not OnOwnerReturn.FINISH:
+            for reservation in running:
+                if self._ledger.cancel(reservation, refusal):
+                    record.cancelled_jobs.append(reservation.job_id)
+                    self.statistics.cancellations += 1
+        async with trio.open_nursery() as nursery:
+            if policy is not OnOwnerReturn.FINISH:
+                nursery.start_soon(self._cancel_upstream_jobs, affected, record)
+            if self.upstream.yield_on_veto and self.adapter.actions is not None:
+                nursery.start_soon(self._unload_and_confirm, record)
+        self._hold_unproven(running, record)
+        self._finish(record, "cancelled" if record.cancelled_jobs else "completed")
+        return seen
+
+    def _refusal_for(self, edge: Edge) -> Refuse:
+        if edge.kind == "owner":
+            return Refuse(
+                Reason.OWNER_ACTIVE, RETRY_OWNER_VETO, f"the owner is back: {edge.reason}"
+            )
+        return Refuse(
+            Reason.RESOURCE_PRESSURED,
+            RETRY_RESOURCE_PRESSURED,
+            f"the owner needs {edge.resource}: {edge.reason}",
+            resource=edge.resource,
+        )
+
+    def _still_running(self, affected: list[Reservation]) -> list[Reservation]:
+        live = {id(r) for r in self._ledger.entries_for(self.upstream.name)}
+        return [r for r in affected if id(r) in live and r.phase != "held"]
+
+    def _trigger_cleared(self, edge: Edge) -> bool:
+        """Would admission's own checks let this upstream's work run again?"""
+        now = trio.current_time()
+        if self.upstream.owner_scope is OwnerScope.HOST and (
+            owner_refusal(self._state.presence_view(now)) is not None
+        ):
+            return False
+        if edge.kind == "owner" and self.upstream.owner_scope is not OwnerScope.HOST:
+            return False
+        for name in self._resources:
+            pressure = self._state.resource_view(name, now).pressure
+            if pressure is None:
+                continue
+            if pressure.quality is not PressureQuality.READY or pressure.engaged:
+                return False
+        return True
+
+    async def _cancel_upstream_jobs(
+        self, affected: list[Reservation], record: ReclaimRecord
+    ) -> None:
+        actions = self.adapter.actions
+        ids = frozenset(i for r in affected for i in r.job_ids)
+        if actions is None or not ids:
+            return
+        report = await actions.cancel_jobs(self._context(), ids)
+        record.upstream_cancel = (
+            f"error: {report.error}"
+            if report.error
+            else f"deleted {len(report.deleted_pending)}, interrupted {len(report.interrupted)}"
+        )
+        unproved = [r for r in affected if report.error and set(r.job_ids) & ids]
+        for reservation in unproved:
+            self._ledger.hold(reservation, f"cancelling its upstream job failed: {report.error}")
+        for reservation in affected:
+            if not report.error and reservation.phase == "tracking":
+                self._ledger.release(reservation)
+
+    async def _unload_and_confirm(self, record: ReclaimRecord) -> None:
+        actions = self.adapter.actions
+        assert actions is not None
+        ours = frozenset(i for r in self._ledger.entries_for(self.upstream.name) for i in r.job_ids)
+        gpus = [
+            name
+            for name in self._resources
+            if self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
+        ]
+        before = {name: self._free_bytes(name) for name in gpus}
+        started = trio.current_time()
+        report = await actions.unload(self._context(), ours)
+        record.unload_requested_at = trio.current_time()
+        self.statistics.unload_requested_s.append(record.unload_requested_at - started)
+        if report.error or report.skipped:
+            record.unload = report.error or f"skipped: {report.skipped}"
+            log.warning("unload on %s: %s", self.upstream.name, record.unload)
+            return
+        requested = ", ".join(report.requested) or "nothing resident"
+        if not report.requested or not gpus:
+            record.unload = f"requested ({requested}); no GPU to confirm it on"
+            return
+        confirmed = await self._wait_for_memory(gpus, before, report.expected_free_bytes, started)
+        if confirmed is None:
+            record.unload = f"requested ({requested}); memory NOT confirmed free"
+            log.warning(
+                "unload of %s on %s did not free the memory in time", requested, self.upstream.name
+            )
+            return
+        record.unload_confirmed_at = confirmed
+        self.statistics.unload_confirmed_s.append(confirmed - started)
+        record.unload = f"requested ({requested}); memory confirmed free"
+
+    def _free_bytes(self, resource: str) -> int | None:
+        observation = self._state.observation(resource)
+        return observation.free_bytes if observation is not None else None
+
+    async def _wait_for_memory(
+        self, gpus: list[str], before: dict[str, int | None], expected: int | None, asked_at: float
+    ) -> float | None:
+        """When a reading taken after the request shows the memory back, or None."""
+        wanted = int(expected * CONFIRM_SHARE) if expected else 64 * MIB
+        with trio.move_on_after(CONFIRM_DEADLINE_S):
+            while True:
+                self._state.request_sample()
+                for name in gpus:
+                    observation = self._state.observation(name)
+                    base = before.get(name)
+                    if (
+                        observation is not None
+                        and observation.taken_at > asked_at
+                        and observation.free_bytes is not None
+                        and base is not None
+                        and observation.free_bytes - base >= wanted
+                    ):
+                        return observation.taken_at
+                await self._state.wait_changed()
+        return None
+
+    def _hold_unproven(self, cancelled: list[Reservation], record: ReclaimRecord) -> None:
+        """A cut connection is proof of nothing for servers that keep working detached."""
+        if self.adapter.stops_on_disconnect:
+            return
+        for reservation in cancelled:
+            if reservation.job_id in record.cancelled_jobs:
+                self._ledger.hold(
+                    reservation,
+                    f"{self.upstream.name} may keep running the job after its connection was cut",
+                )
+
+    def _context(self) -> UpstreamContext:
+        assert self._client is not None
+        return UpstreamContext(
+            client=self._client,
+            target=parse_target(self.upstream.target),
+            credential=self._credential,
+            deadline_s=ACTION_DEADLINE_S,
+        )
+
+    def _finish(self, record: ReclaimRecord, outcome: str) -> None:
+        if record.phase != "stood_down":
+            record.phase = "done"
+        record.finished_at = trio.current_time()
+        self.statistics.reclaims[(record.trigger.split(":")[0], outcome)] += 1
+        self.last = record
+        self.current = None
+        self._state.notify()
