@@ -93,6 +93,8 @@ def status_document(
                 "active_work": [
                     _reservation(r, now) for r in stats.entries if r.upstream == u.name
                 ],
+                "unseen_gpu_work": u.name in state.unseen_gpu_work,
+                "reclaim": _reclaim(reclaims.get(u.name), now),
                 **_decisions(decisions, u.name, now),
             }
             for u in config.upstream
@@ -152,7 +154,7 @@ def _connections(guard: ListenerGuard | None) -> dict[str, int] | None:
 def _memory_recovery(can_unload: bool) -> str:
     if not can_unload:
         return "not guaranteed: this server has no unload; new work is refused only"
-    return "not yet: the server can unload, but reclaim on owner return is not built yet"
+    return "unload requested on owner return, then confirmed against the GPU's free memory"
 
 
 def _presence(state: SharedState, now: float) -> dict[str, Any]:

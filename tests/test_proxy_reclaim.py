@@ -1,0 +1,135 @@
+"""Reclaim through the real proxy: what a borrower sees when the owner comes back."""
+
+from __future__ import annotations
+
+import socket
+from contextlib import aclosing
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.upstreams import EchoUpstream
+from vacancyd.model import PresenceReading, SessionState
+
+
+def config(upstream: EchoUpstream, tmp_path: Path, policy: str, drain: float = 1.0) -> str:
+    return f"""
+[server]
+api_listen = "127.0.0.1:0"
+state_dir = "{tmp_path / "state"}"
+poll_interval_s = 0.5
+[server.limits]
+write_stall_timeout_s = 30.0
+[owner]
+presence = "headless"
+release_after_s = 600.0
+[[resource]]
+name = "ram"
+kind = "memory"
+[[upstream]]
+name = "echo"
+adapter = "llamacpp"
+listen = "127.0.0.1:0"
+target = "{upstream.url}"
+resource = "ram"
+on_owner_return = "{policy}"
+drain_timeout_s = {drain}
+"""
+
+
+def owner_returns(daemon: InProcessDaemon) -> float:
+    now = trio.current_time()
+    daemon.state.record_presence(PresenceReading("test", now, SessionState.ACTIVE))
+    return now
+
+
+async def test_a_stream_is_cut_at_the_drain_deadline_and_new_work_is_refused(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    async with (
+        in_process_daemon(config(echo, tmp_path, "drain", drain=1.0)) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=10) as http,
+    ):
+        base = daemon.proxy("echo")
+        received = b""
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with (
+                http.stream(
+                    "POST", f"{base}/v1/chat/completions", json={"echo_stream": {"events": 5}}
+                ) as stream,
+                aclosing(stream.aiter_raw()) as pieces,
+            ):
+                received += await pieces.__anext__()
+                returned = owner_returns(daemon)
+                after = await http.post(f"{base}/v1/completions", json={"prompt": "x"})
+                assert after.status_code == 503
+                assert after.json()["error"]["code"] == "owner_active"
+                assert after.headers["retry-after"] == "120"
+                async for piece in pieces:
+                    received += piece
+        cut_after = trio.current_time() - returned
+        assert received == b"data: 0\n\n" and b"[DONE]" not in received
+        assert 1.0 <= cut_after < 5.0, f"cut after {cut_after:.2f}s"
+        status = (await http.get(f"{daemon.api}/status")).json()
+        reclaim = status["upstreams"]["echo"]["reclaim"]["last"]
+        assert reclaim["trigger"] == "owner" and reclaim["phase"] == "done"
+        assert reclaim["cancelled_jobs"]
+        assert "not guaranteed" in status["upstreams"]["echo"]["memory_recovery"]
+
+
+async def test_cancellation_before_the_answer_is_a_503(echo: EchoUpstream, tmp_path: Path) -> None:
+    async with (
+        in_process_daemon(config(echo, tmp_path, "cancel")) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=10) as http,
+    ):
+        base = daemon.proxy("echo")
+        async with trio.open_nursery() as nursery:
+            answers: list[httpx.Response] = []
+
+            async def borrower() -> None:
+                answers.append(
+                    await http.post(
+                        f"{base}/v1/chat/completions",
+                        json={"echo_stream": {"events": 2, "hold_headers": 1}},
+                    )
+                )
+
+            nursery.start_soon(borrower)
+            with trio.fail_after(5):
+                await echo.requests_parked.wait()
+            owner_returns(daemon)
+        [answer] = answers
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "owner_active"
+        assert answer.headers["retry-after"] == "120"
+
+
+async def test_a_stalled_borrower_cannot_delay_closing_the_upstream(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    async with in_process_daemon(config(echo, tmp_path, "cancel")) as daemon:
+        host, port = daemon.proxy("echo").removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            body = b'{"echo_bytes": {"total": 268435456}}'
+            await stream.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            with trio.fail_after(5):
+                while not await _active(daemon):
+                    await daemon.state.wait_changed()
+            returned = owner_returns(daemon)
+            with trio.fail_after(5):  # far below the 30 s write-stall timeout
+                await echo.client_gone.wait()
+            assert trio.current_time() - returned < 5.0
+
+
+async def _active(daemon: InProcessDaemon) -> bool:
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+        status = (await http.get(f"{daemon.api}/status")).json()
+    return bool(status["upstreams"]["echo"]["active_work"])
