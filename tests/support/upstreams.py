@@ -46,6 +46,8 @@ class EchoUpstream:
     client_gone: trio.Event = attrs.Factory(trio.Event)
     ws_seen: list[Seen] = attrs.Factory(list)
     ws_closed: trio.Event = attrs.Factory(trio.Event)
+    # Set when a request is parked before its response headers.
+    requests_parked: trio.Event = attrs.Factory(trio.Event)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -165,6 +167,9 @@ class EchoUpstream:
 
     async def _stream(self, options: dict[str, int], send: Any) -> None:
         count = options.get("events", 3)
+        if options.get("hold_headers"):
+            self.requests_parked.set()
+            await self.gate.wait()  # answer nothing until the test lets it go
         await send(
             {
                 "type": "http.response.start",
