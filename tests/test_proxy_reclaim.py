@@ -78,6 +78,13 @@ async def test_a_stream_is_cut_at_the_drain_deadline_and_new_work_is_refused(
         assert reclaim["trigger"] == "owner" and reclaim["phase"] == "done"
         assert reclaim["cancelled_jobs"]
         assert "not guaranteed" in status["upstreams"]["echo"]["memory_recovery"]
+        metrics = (await http.get(f"{daemon.api}/metrics")).text
+        assert (
+            'vacancyd_reclaims_total{outcome="cancelled",trigger="owner",upstream="echo"} 1.0'
+            in metrics
+        )
+        assert 'vacancyd_reclaim_cancellations_total{upstream="echo"} 1.0' in metrics
+        assert 'vacancyd_holds{upstream="echo"} 0.0' in metrics
 
 
 async def test_cancellation_before_the_answer_is_a_503(echo: EchoUpstream, tmp_path: Path) -> None:

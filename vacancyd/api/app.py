@@ -51,7 +51,7 @@ def create_api_app(
     app = QuartTrio("vacancyd.api")
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
     app.config["RESPONSE_TIMEOUT"] = None
-    registry = open_registry(VacancydCollector(state, ledger, decisions, auth))
+    registry = open_registry(VacancydCollector(state, ledger, decisions, auth, reclaims))
 
     def denied(scope: Scope) -> Response | None:
         client = request.scope.get("client")

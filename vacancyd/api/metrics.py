@@ -19,6 +19,7 @@ from vacancyd.api.status import is_ready
 from vacancyd.auth import Authenticator
 from vacancyd.decisions import DecisionLog
 from vacancyd.model import MIB, PressureQuality, Quality, Reason
+from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.state import SharedState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,12 +27,18 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class VacancydCollector(Collector):
     def __init__(
-        self, state: SharedState, ledger: Ledger, decisions: DecisionLog, auth: Authenticator
+        self,
+        state: SharedState,
+        ledger: Ledger,
+        decisions: DecisionLog,
+        auth: Authenticator,
+        reclaims: dict[str, UpstreamReclaim] | None = None,
     ) -> None:
         self._state = state
         self._ledger = ledger
         self._decisions = decisions
         self._auth = auth
+        self._reclaims = reclaims or {}
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
@@ -43,6 +50,7 @@ class VacancydCollector(Collector):
         yield from self._presence(now)
         yield from self._resources(now)
         yield from self._upstreams()
+        yield from self._reclaim_families()
 
     def _presence(self, now: float) -> Iterator[Metric]:
         state = self._state
@@ -155,6 +163,47 @@ class VacancydCollector(Collector):
         for (scope, outcome), count in sorted(self._auth.counts.items()):
             auth.add_metric([scope, outcome], count)
         yield auth
+
+    def _reclaim_families(self) -> list[Metric]:
+        reclaims = CounterMetricFamily(
+            "vacancyd_reclaims",
+            "Reclaims answered, by trigger (owner, pressure) and outcome",
+            labels=["upstream", "trigger", "outcome"],
+        )
+        cancellations = CounterMetricFamily(
+            "vacancyd_reclaim_cancellations", "Proxied jobs cut by reclaim", labels=["upstream"]
+        )
+        requested = GaugeMetricFamily(
+            "vacancyd_unload_requested_seconds",
+            "Time from the reclaim to the upstream acknowledging the last unload request",
+            labels=["upstream"],
+        )
+        confirmed = GaugeMetricFamily(
+            "vacancyd_unload_confirmed_seconds",
+            "Time from the reclaim to the GPU's memory being seen free after the last unload",
+            labels=["upstream"],
+        )
+        for name, reclaim in sorted(self._reclaims.items()):
+            statistics = reclaim.statistics
+            for (trigger, outcome), count in sorted(statistics.reclaims.items()):
+                reclaims.add_metric([name, trigger, outcome], count)
+            cancellations.add_metric([name], statistics.cancellations)
+            if statistics.unload_requested_s:
+                requested.add_metric([name], statistics.unload_requested_s[-1])
+            if statistics.unload_confirmed_s:
+                confirmed.add_metric([name], statistics.unload_confirmed_s[-1])
+        holds = GaugeMetricFamily(
+            "vacancyd_holds",
+            "Durable holds: jobs vacancyd cannot prove stopped",
+            labels=["upstream"],
+        )
+        held: dict[str, int] = {name: 0 for name in self._decisions.upstreams()}
+        for entry in self._ledger.statistics().entries:
+            if entry.phase == "held":
+                held[entry.upstream] = held.get(entry.upstream, 0) + 1
+        for name, count in sorted(held.items()):
+            holds.add_metric([name], count)
+        return [reclaims, cancellations, requested, confirmed, holds]
 
 
 def _gauge(
