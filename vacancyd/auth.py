@@ -13,6 +13,7 @@ import os
 import stat
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -64,6 +65,17 @@ class Authenticator:
                 digest = hashlib.sha256(read_token_file(token.file).encode()).digest()
             self._known.append(_Known(token.name, digest, frozenset(token.scopes)))
         self.counts: Counter[tuple[str, str]] = Counter()
+
+    def check_borrower(
+        self, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | list[Any] | None
+    ) -> AuthResult:
+        """The borrow-scope decision for a proxied request or WebSocket upgrade."""
+        authorization = next((v for n, v in headers if n.lower() == b"authorization"), None)
+        return self.check(
+            authorization.decode("latin-1") if authorization else None,
+            client[0] if client else None,
+            Scope.BORROW,
+        )
 
     def check(self, authorization: str | None, client_host: str | None, scope: Scope) -> AuthResult:
         result = self._decide(authorization, client_host, scope)

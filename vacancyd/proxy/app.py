@@ -23,7 +23,7 @@ from vacancyd.adapters import Adapter, Classification, RouteClass, WorkFacts
 from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Admission, Reservation
 from vacancyd.auth import Authenticator
-from vacancyd.config import LimitsConfig, Management, Scope, UpstreamConfig, parse_target
+from vacancyd.config import LimitsConfig, Management, UpstreamConfig, parse_target
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import MIB, Refuse
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
@@ -72,13 +72,7 @@ class ProxyApp:
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         method: str = scope["method"]
-        client = scope.get("client")
-        authorization = header_value(headers, b"authorization")
-        verdict = self._auth.check(
-            authorization.decode("latin-1") if authorization else None,
-            client[0] if client else None,
-            Scope.BORROW,
-        )
+        verdict = self._auth.check_borrower(headers, scope.get("client"))
         if not verdict.allowed:
             await send_error(send, verdict.status, verdict.code, verdict.message)
             return

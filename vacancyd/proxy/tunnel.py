@@ -24,9 +24,9 @@ import trio
 from vacancyd.adapters import Adapter, RouteClass
 from vacancyd.admission import Admission, Reservation
 from vacancyd.auth import Authenticator
-from vacancyd.config import LimitsConfig, Management, Scope, Target, UpstreamConfig
+from vacancyd.config import LimitsConfig, Management, Target, UpstreamConfig
 from vacancyd.model import Refuse
-from vacancyd.proxy.headers import HOP_BY_HOP, header_value, is_cross_origin
+from vacancyd.proxy.headers import HOP_BY_HOP, is_cross_origin
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,7 @@ class WebSocketTunnels:
         """Check the upgrade like any request: the path to open and any job it holds, or
         None once a refusal has been answered."""
         headers = list(request.headers)
-        authorization = header_value(headers, b"authorization")
-        verdict = self._auth.check(
-            authorization.decode("latin-1") if authorization else None,
-            client[0] if client else None,
-            Scope.BORROW,
-        )
+        verdict = self._auth.check_borrower(headers, client)
         if not verdict.allowed:
             await _answer(stream, verdict.status, verdict.code, verdict.message)
             return None
