@@ -240,7 +240,7 @@ class UpstreamReclaim:
             f"error: {report.error}"
             if report.error
             else f"deleted {len(report.deleted_pending)}, interrupted {len(report.interrupted)}"
-        )
+        ) + (f" ({report.note})" if report.note else "")
         unproved = [r for r in affected if report.error and set(r.job_ids) & ids]
         for reservation in unproved:
             self._ledger.hold(reservation, f"cancelling its upstream job failed: {report.error}")
@@ -267,6 +267,8 @@ class UpstreamReclaim:
             log.warning("unload on %s: %s", self.upstream.name, record.unload)
             return
         requested = ", ".join(report.requested) or "nothing resident"
+        if report.note:
+            log.info("unload on %s: %s", self.upstream.name, report.note)
         if not report.requested or not gpus:
             record.unload = f"requested ({requested}); no GPU to confirm it on"
             return
