@@ -186,12 +186,13 @@ class UpstreamReclaim:
                 if self._ledger.cancel(reservation, refusal):
                     record.cancelled_jobs.append(reservation.job_id)
                     self.statistics.cancellations += 1
+            # Before any checkpoint, so the cut connection cannot release it first.
+            self._hold_unproven(running, record)
         async with trio.open_nursery() as nursery:
             if policy is not OnOwnerReturn.FINISH:
                 nursery.start_soon(self._cancel_upstream_jobs, affected, record)
             if self.upstream.yield_on_veto and self.adapter.actions is not None:
                 nursery.start_soon(self._unload_and_confirm, record)
-        self._hold_unproven(running, record)
         self._finish(record, "cancelled" if record.cancelled_jobs else "completed")
         return seen
 
@@ -251,7 +252,14 @@ class UpstreamReclaim:
     async def _unload_and_confirm(self, record: ReclaimRecord) -> None:
         actions = self.adapter.actions
         assert actions is not None
-        ours = frozenset(i for r in self._ledger.entries_for(self.upstream.name) for i in r.job_ids)
+        # Every job vacancyd admitted to this server, through any upstream that reaches it:
+        # only other work counts as foreign.
+        same_server = [
+            u.name for u in self._state.config.upstream if u.target == self.upstream.target
+        ]
+        ours = frozenset(
+            i for name in same_server for r in self._ledger.entries_for(name) for i in r.job_ids
+        )
         gpus = [
             name
             for name in self._resources
@@ -260,8 +268,9 @@ class UpstreamReclaim:
         before = {name: self._free_bytes(name) for name in gpus}
         started = trio.current_time()
         report = await actions.unload(self._context(), ours)
-        record.unload_requested_at = trio.current_time()
-        self.statistics.unload_requested_s.append(record.unload_requested_at - started)
+        if not (report.error or report.skipped):
+            record.unload_requested_at = trio.current_time()
+            self.statistics.unload_requested_s.append(record.unload_requested_at - started)
         if report.error or report.skipped:
             record.unload = report.error or f"skipped: {report.skipped}"
             log.warning("unload on %s: %s", self.upstream.name, record.unload)

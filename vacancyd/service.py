@@ -192,7 +192,7 @@ async def run_daemon(
         guards: dict[str, ListenerGuard] = {}
         for upstream in config.upstream:
             adapter = adapter_for(upstream.adapter.value)
-            can_unload[upstream.name] = adapter.actions is not None
+            can_unload[upstream.name] = adapter.actions is not None and upstream.yield_on_veto
             credential = (
                 read_token_file(upstream.credential_file) if upstream.credential_file else None
             )

@@ -99,9 +99,6 @@ class Adapter:
     refuse_body: Callable[[str, Mapping[str, Any]], str | None] | None = None
     # Reads the model (and, for some adapters, assigns job ids) from a work body.
     describe_work: Callable[[str, Mapping[str, Any]], WorkFacts] = model_field
-    # Whether unload / cancel exist (later issues); /status says when memory recovery is not
-    # guaranteed.
-    can_unload: bool = False
     # The upstream calls a reclaim makes (unload, cancel borrowed jobs, ask a job's state).
     # None: the server has no such requests, so a reclaim can only refuse and cut streams.
     actions: ReclaimActions | None = None

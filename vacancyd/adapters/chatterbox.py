@@ -109,5 +109,4 @@ CHATTERBOX = Adapter(
     refuse_body=refuse_long_job,
     # devnen has POST /api/unload but travisvn has no way to free the model, so unloading
     # cannot be promised for this adapter as a whole.
-    can_unload=False,
 )

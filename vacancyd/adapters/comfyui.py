@@ -149,7 +149,6 @@ COMFYUI = Adapter(
     refuse_body=refuse_without_graph,
     describe_work=describe_submission,
     # POST /free unloads models once the running prompt ends.
-    can_unload=True,
     # Borrowed prompts are deleted or interrupted by id; /free unless foreign work is queued.
     actions=ComfyUIActions(),
     # ComfyUI refuses (bare 403) a request whose Origin host differs from a loopback Host,

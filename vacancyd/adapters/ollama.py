@@ -34,6 +34,5 @@ OLLAMA = Adapter(
     ),
     health_paths=frozenset({"/"}),
     refuse_body=refuse_background_response,
-    can_unload=True,
     actions=OllamaActions(),
 )

@@ -175,12 +175,12 @@ class VacancydCollector(Collector):
         )
         requested = GaugeMetricFamily(
             "vacancyd_unload_requested_seconds",
-            "Time from the reclaim to the upstream acknowledging the last unload request",
+            "Seconds from sending the last unload until the upstream acknowledged it",
             labels=["upstream"],
         )
         confirmed = GaugeMetricFamily(
             "vacancyd_unload_confirmed_seconds",
-            "Time from the reclaim to the GPU's memory being seen free after the last unload",
+            "Seconds from sending the last unload until the GPU's memory was seen free",
             labels=["upstream"],
         )
         for name, reclaim in sorted(self._reclaims.items()):

@@ -153,7 +153,10 @@ def _connections(guard: ListenerGuard | None) -> dict[str, int] | None:
 
 def _memory_recovery(can_unload: bool) -> str:
     if not can_unload:
-        return "not guaranteed: this server has no unload; new work is refused only"
+        return (
+            "not guaranteed: no unload is requested (the server has none, or yield_on_veto "
+            "is off); running work is still cut by policy"
+        )
     return "unload requested on owner return, then confirmed against the GPU's free memory"
 
 

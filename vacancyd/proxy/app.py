@@ -27,7 +27,7 @@ from vacancyd.config import LimitsConfig, Management, UpstreamConfig, parse_targ
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import MIB, Refuse
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
-from vacancyd.proxy.forward import DisconnectWatch, open_upstream
+from vacancyd.proxy.forward import DisconnectWatch, Relay, open_upstream
 from vacancyd.proxy.headers import header_value, is_cross_origin, request_headers
 from vacancyd.proxy.replies import send_error, send_refusal
 from vacancyd.proxy.tracking import track_job
@@ -64,7 +64,9 @@ class ProxyApp:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "websocket":
-            # WebSocket tunnelling arrives with the hardened proxy; until then, refuse.
+            # Upgrades are tunnelled before the HTTP server parses them, but only as the
+            # first request of a connection; one arriving later on a kept-alive connection
+            # is refused (WebSocket clients always open a fresh connection).
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "lifespan":
             await _lifespan(receive, send)
@@ -363,18 +365,6 @@ class ProxyApp:
             await send_refusal(send, refusal)
             return
         raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
-
-
-class Relay:
-    """The handle reclaim uses to cut one proxied job, and why it was cut."""
-
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope()
-        self.refusal: Refuse | None = None
-
-    def cancel(self, refusal: Refuse) -> None:
-        self.refusal = refusal
-        self.scope.cancel()
 
 
 class UpstreamStreamBroken(Exception):

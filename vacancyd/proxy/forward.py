@@ -18,6 +18,7 @@ import trio
 
 from vacancyd.config import LimitsConfig, Target, is_loopback_host
 from vacancyd.errors import UpstreamUnavailable
+from vacancyd.model import Refuse
 from vacancyd.proxy.headers import response_headers
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,18 @@ def open_upstream_client(limits: LimitsConfig) -> httpx.AsyncClient:
     )
     client.headers.clear()
     return client
+
+
+class Relay:
+    """The handle reclaim uses to cut one proxied job, and why it was cut."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.refusal: Refuse | None = None
+
+    def cancel(self, refusal: Refuse) -> None:
+        self.refusal = refusal
+        self.scope.cancel()
 
 
 class DisconnectWatch:

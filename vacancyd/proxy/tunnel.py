@@ -26,6 +26,7 @@ from vacancyd.admission import Admission, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Management, Target, UpstreamConfig
 from vacancyd.model import Refuse
+from vacancyd.proxy.forward import Relay
 from vacancyd.proxy.headers import HOP_BY_HOP, is_cross_origin
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,12 @@ class WebSocketTunnels:
             if authorised is None:
                 return
             path, reservation = authorised
+            relay = Relay()
+            if reservation is not None:
+                self._admission.attach(reservation, relay)  # reclaim may cut the socket
             try:
-                await self._tunnel(stream, request, path, rest)
+                with relay.scope:
+                    await self._tunnel(stream, request, path, rest)
             finally:
                 if reservation is not None:
                     self._admission.release(reservation)
