@@ -266,15 +266,20 @@ async def _unload(
     else:
         progress.expected_free_bytes = stats.reserved_bytes
     foreign = next((row for row in queue.running if row not in ours), None) if queue else None
+    # ComfyUI runs one prompt at a time: while one of ours is (or was just) listed as running,
+    # the memory its allocator holds is ours, and cannot vouch for a foreign running row.
+    ours_running = queue is not None and any(row in ours for row in queue.running)
     if foreign is not None:
         held = stats.active_bytes if stats is not None else None
-        if held is not None and held >= STALE_RUNNING_BELOW_BYTES:
+        if held is not None and held >= STALE_RUNNING_BELOW_BYTES and not ours_running:
             return progress.report(
                 skipped=f"running prompt {foreign} was not admitted by vacancyd, and ComfyUI "
                 f"holds {_mib(held)} of VRAM for it"
             )
-        if held is not None:
+        if held is not None and held < STALE_RUNNING_BELOW_BYTES:
             why = f"ComfyUI holds only {_mib(held)} of VRAM"
+        elif ours_running:
+            why = "the VRAM ComfyUI holds belongs to a borrowed prompt running beside it"
         elif stats is None:
             why = f"its VRAM could not be read ({stats_error})"
         else:
