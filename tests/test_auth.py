@@ -279,14 +279,6 @@ async def test_trusted_loopback_lets_the_owner_in_without_a_token(
         assert not daemon.state.lending_enabled
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: the API trusts loopback whatever Host the request names, so a web page the "
-        "owner opens can rebind its own host name to 127.0.0.1 (DNS rebinding) and then, "
-        "same-origin, read /status and POST JSON to /admin/lending"
-    ),
-)
 async def test_loopback_trust_is_not_extended_to_a_foreign_host_name(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -403,7 +395,7 @@ async def upgrade(daemon: InProcessDaemon, token: str | None) -> bytes:
     reply = b""
     async with stream:
         await stream.send_all(
-            b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+            b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
             b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
             b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n" + authorization + b"\r\n"
         )
@@ -439,7 +431,7 @@ async def test_the_websocket_tunnel_requires_the_borrow_scope(
 
 
 UPGRADE_HEAD = (
-    b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+    b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
     b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
 )
 
@@ -610,3 +602,13 @@ def test_token_files_are_read_stripped_and_must_be_private(tmp_path: Path) -> No
         Authenticator(
             AuthConfig(tokens=[TokenConfig("m", [Scope.READ], file=str(tmp_path / "missing"))])
         )
+
+
+def test_loopback_trust_needs_a_host_header_that_names_this_machine() -> None:
+    """DNS rebinding: a local browser sends the attacker's name as Host."""
+    authenticator = Authenticator(AuthConfig(trust_loopback=True))
+    for host in ("127.0.0.1:9460", "localhost:9460", "[::1]:9460", "app.localhost", None):
+        assert authenticator.check(None, "127.0.0.1", Scope.ADMIN, host).allowed, host
+    for host in ("rebind.attacker.example:9460", "x", "my-desktop:9460"):
+        verdict = authenticator.check(None, "127.0.0.1", Scope.ADMIN, host)
+        assert not verdict.allowed and verdict.status == 401, host

@@ -125,7 +125,7 @@ async def stalled_reader(stack: AsyncExitStack, daemon: DaemonProcess) -> trio.S
     stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     body = b'{"echo_bytes": {"total": %d}}' % STREAM_BYTES
     await stream.send_all(
-        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     with trio.fail_after(10):
@@ -227,7 +227,8 @@ async def test_a_stalled_websocket_reader_is_cut_and_the_daemon_keeps_serving(
             async with stream:
                 stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 await stream.send_all(
-                    b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"GET /v1/realtime?model=m HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Upgrade: websocket\r\n"
                     b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
                 )

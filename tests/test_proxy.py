@@ -107,7 +107,7 @@ async def test_the_resolved_path_and_query_are_forwarded_byte_for_byte(
         stream = await trio.open_tcp_stream(*_host_port(daemon.proxy("echo")))
         async with stream:
             await stream.send_all(
-                b"GET /v1/x/../models?limit=5&after=a%2Fb HTTP/1.1\r\nHost: borrower\r\n"
+                b"GET /v1/x/../models?limit=5&after=a%2Fb HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 b"Connection: close\r\n\r\n"
             )
             reply = await _read_all(stream)

@@ -124,7 +124,8 @@ async def test_a_stalled_borrower_cannot_delay_closing_the_upstream(
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             body = b'{"echo_bytes": {"total": 268435456}}'
             await stream.send_all(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
             )
             with trio.fail_after(5):

@@ -90,7 +90,7 @@ async def test_a_client_that_stops_reading_is_reset_and_the_upstream_released(
         stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         body = b'{"echo_bytes": {"total": 268435456}}'
         await stream.send_all(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         started = trio.current_time()
@@ -126,7 +126,7 @@ async def test_connections_over_the_cap_get_a_fast_503_and_slots_come_back(
     async with in_process_daemon(config(echo, tmp_path, max_connections=2)) as daemon:
         async with raw(daemon) as first, raw(daemon) as second:
             for stream in (first, second):  # both accepted and held open (keep-alive)
-                await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
             async with raw(daemon) as third:
                 with trio.fail_after(5):
@@ -146,13 +146,13 @@ async def test_connection_close_is_honoured_and_idle_keep_alive_is_reaped(
     async with in_process_daemon(config(echo, tmp_path)) as daemon:
         async with raw(daemon) as stream:
             await stream.send_all(
-                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
             )
             with trio.fail_after(3):
                 reply = await read_until_closed(stream)
             assert reply.startswith(b"HTTP/1.1 200")
         async with raw(daemon) as stream:
-            await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             asked = trio.current_time()
             with trio.fail_after(5):
                 reply = await read_until_closed(stream)
@@ -179,7 +179,7 @@ async def test_headers_trickled_byte_by_byte_are_cut_at_the_header_deadline(
     async with in_process_daemon(config(echo, tmp_path)) as daemon, raw(daemon) as stream:
         started = trio.current_time()
         with trio.fail_after(5), trio.move_on_after(4):
-            for byte in b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            for byte in b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
                 try:
                     await stream.send_all(bytes([byte]))
                 except trio.BrokenResourceError:
@@ -195,7 +195,7 @@ async def test_headers_trickled_byte_by_byte_are_cut_at_the_header_deadline(
 async def test_a_withheld_body_gets_408(echo: EchoUpstream, tmp_path: Path) -> None:
     async with in_process_daemon(config(echo, tmp_path)) as daemon, raw(daemon) as stream:
         await stream.send_all(
-            b'POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"mod'
+            b'POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"mod'
         )
         with trio.fail_after(5):
             reply = await read_until_closed(stream)
@@ -213,7 +213,8 @@ async def test_h2c_is_never_offered(echo: EchoUpstream, tmp_path: Path) -> None:
             assert reply.startswith(b"HTTP/1.1 "), reply[:40]  # no HTTP/2 SETTINGS frame
         async with raw(daemon) as stream:
             await stream.send_all(
-                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Connection: Upgrade, HTTP2-Settings\r\n"
                 b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
             )
             reply = await stream.receive_some(65536)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import stat
 from collections import Counter
@@ -71,35 +72,47 @@ class Authenticator:
     ) -> AuthResult:
         """The borrow-scope decision for a proxied request or WebSocket upgrade."""
         authorization = next((v for n, v in headers if n.lower() == b"authorization"), None)
+        host = next((v for n, v in headers if n.lower() == b"host"), None)
         return self.check(
             authorization.decode("latin-1") if authorization else None,
             client[0] if client else None,
             Scope.BORROW,
+            host.decode("latin-1") if host is not None else None,
         )
 
-    def check(self, authorization: str | None, client_host: str | None, scope: Scope) -> AuthResult:
-        result = self._decide(authorization, client_host, scope)
+    def check(
+        self,
+        authorization: str | None,
+        client_host: str | None,
+        scope: Scope,
+        host_header: str | None = None,
+    ) -> AuthResult:
+        """Decide one request. `host_header` guards loopback trust against DNS rebinding:
+        a local caller that names a foreign host is a browser tricked into calling us."""
+        local = (
+            client_host is not None
+            and is_loopback_host(client_host)
+            and _names_this_machine(host_header)
+        )
+        result = self._decide(authorization, local, scope)
         self.counts[(scope.value, "allowed" if result.allowed else "denied")] += 1
         return result
 
-    def _decide(
-        self, authorization: str | None, client_host: str | None, scope: Scope
-    ) -> AuthResult:
+    def _decide(self, authorization: str | None, local: bool, scope: Scope) -> AuthResult:
         match = self._match(authorization)
         if match is not None and scope in match.scopes:
             return AuthResult(True, token_name=match.name)
         # A trusted caller may carry a credential meant for the upstream (OpenAI SDKs always
         # send one); it is not ours to judge, so it does not turn trust into a denial.
-        if self._trust_loopback and client_host is not None and is_loopback_host(client_host):
+        if self._trust_loopback and local:
             return AuthResult(True, token_name="loopback")
-        if not any(scope in known.scopes for known in self._known):
-            # No token carries this scope, so there is nothing a caller could present. That
-            # is open to callers on this machine, and to the network only where the operator
-            # opted in with allow_unauthenticated_remote; a listener that shares its socket
-            # with another scope (the API: read and admin) never opens the other by accident.
-            local = client_host is not None and is_loopback_host(client_host)
-            if local or self._open_remote:
-                return AuthResult(True, token_name="anonymous")
+        # No token carries this scope, so there is nothing a caller could present. That is
+        # open to callers on this machine, and to the network only where the operator opted
+        # in with allow_unauthenticated_remote; a listener that shares its socket with
+        # another scope (the API: read and admin) never opens the other by accident.
+        unguarded = not any(scope in known.scopes for known in self._known)
+        if unguarded and (local or self._open_remote):
+            return AuthResult(True, token_name="anonymous")
         if match is not None:
             return AuthResult(
                 False, 403, "forbidden", f"token {match.name!r} lacks the {scope.value} scope"
@@ -122,6 +135,28 @@ class Authenticator:
             if hmac.compare_digest(digest, known.digest):
                 match = known
         return match
+
+
+def _names_this_machine(host_header: str | None) -> bool:
+    """Whether a Host header names a loopback address or an IP literal, not a DNS name.
+
+    A page that rebinds its own name to 127.0.0.1 still sends that name as Host; the owner's
+    tools call vacancyd by address or as localhost.
+    """
+    if host_header is None:
+        return True  # HTTP/1.0 without Host: not a browser
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def token_for_cli(config: AuthConfig, scope: Scope) -> str | None:

@@ -229,7 +229,8 @@ def render_status(document: dict[str, Any]) -> str:
     )
     lines.append("resources:")
     for name, resource in document["resources"].items():
-        facts = [resource["kind"], resource["quality"] + _age(resource.get("age_s"))]
+        reading = f"{resource['quality']}{_age(resource.get('age_s'))}"
+        facts = [resource["kind"], f"{reading} from {resource.get('source', '?')}"]
         if resource.get("free_bytes") is not None:
             facts.append(f"{resource['free_bytes'] // (1024 * 1024)} MiB free")
         if resource.get("utilization_pct") is not None:

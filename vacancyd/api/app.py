@@ -36,7 +36,10 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 
 def _error(status: int, code: str, message: str) -> Response:
-    return _json({"error": {"type": "api_error", "code": code, "message": message}}, status)
+    response = _json({"error": {"type": "api_error", "code": code, "message": message}}, status)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="vacancyd"'
+    return response
 
 
 def create_api_app(
@@ -56,7 +59,10 @@ def create_api_app(
     def denied(scope: Scope) -> Response | None:
         client = request.scope.get("client")
         verdict = auth.check(
-            request.headers.get("Authorization"), client[0] if client else None, scope
+            request.headers.get("Authorization"),
+            client[0] if client else None,
+            scope,
+            request.headers.get("Host"),
         )
         if verdict.allowed:
             return None
