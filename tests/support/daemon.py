@@ -12,7 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -97,23 +97,29 @@ async def _pump_lines(stream: trio.abc.ReceiveStream, daemon: DaemonProcess) -> 
     daemon.note("")  # wake waiters so they can see the exit
 
 
-def daemon_env() -> dict[str, str]:
+def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test's environment for a daemon subprocess, with `extra` set on top."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("VACANCYD_TOKEN", None)
+    env.update(extra or {})
     return env
 
 
 @asynccontextmanager
 async def daemon_process(
-    config_path: Path, *, wait_ready: bool = True
+    config_path: Path, *, wait_ready: bool = True, env: Mapping[str, str] | None = None
 ) -> AsyncIterator[DaemonProcess]:
-    """Start `python -m vacancyd run --config FILE`; stop it with SIGTERM afterwards."""
+    """Start `python -m vacancyd run --config FILE`; stop it with SIGTERM afterwards.
+
+    `env` adds to (or overrides) the test's own environment, e.g. the bus address or the
+    stand-in NVML library's directory.
+    """
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "vacancyd", "run", "--config", str(config_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        env=daemon_env(),
+        env=daemon_env(env),
     )
     daemon = DaemonProcess(process, [])
     async with trio.open_nursery() as nursery:
