@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
+import attrs
 import trio
 
 from vacancyd.collect.attribution import (
@@ -38,6 +39,17 @@ from vacancyd.state import SharedState
 log = logging.getLogger(__name__)
 
 SAVE_EVERY_S = 300.0
+TREE_RESCAN_S = 10.0
+
+
+@attrs.frozen
+class _GpuSample:
+    samples: tuple[tuple[int, float], ...]  # (pid, SM utilisation %) since the last read
+    holders: tuple[int, ...]  # pids holding a context on the GPU
+
+    @property
+    def pids(self) -> set[int]:
+        return {pid for pid, _ in self.samples} | set(self.holders)
 
 
 def pressure_config(resource: ResourceConfig) -> PressureConfig | None:
@@ -69,6 +81,10 @@ class PressureCollector:
         self._identity: dict[str, str] = {}
         self._last_seen_us: dict[str, int] = {}
         self._unseen = UnseenWork()
+        self._trees: dict[str, UpstreamTree] | None = None
+        self._trees_at = -float("inf")
+        # Processes seen on a GPU at the last scan that belong to no upstream: the owner's.
+        self._foreign: set[tuple[int, float]] = set()
         self._last_save = -float("inf")
 
     @property
@@ -98,28 +114,36 @@ class PressureCollector:
                 await self._save()
 
     async def _round(self, began: float) -> None:
-        trees: dict[str, UpstreamTree] | None
+        presence_fresh = self._state.presence_view(began).fresh
+        busy = self._busy_upstreams()
+        readings: dict[str, _GpuSample | str] = {}
+        for gpu in self._gpus:
+            try:
+                readings[gpu.name] = await self._read_gpu(gpu.name)
+            except Exception as exc:
+                readings[gpu.name] = f"per-process GPU use unreadable: {exc}"
+        samples = [r for r in readings.values() if isinstance(r, _GpuSample)]
+        pids = {pid for r in samples for pid in r.pids}
         try:
-            trees = await run_probe(partial(scan_upstream_trees, self._targets), self._deadline_s)
+            start_times = await run_probe(partial(current_start_times, pids), self._deadline_s)
+            trees = await self._upstream_trees(began, start_times)
         except (ProbeTimeout, OSError, Exception) as exc:  # psutil.Error is an Exception
             log.warning("cannot find the upstreams' processes: %s", exc)
             trees = None
-        presence_fresh = self._state.presence_view(began).fresh
-        busy = self._busy_upstreams()
         seen: set[str] = set()
         complete = trees is not None
         for gpu in self._gpus:
             guard = self._guard(gpu)
+            reading = readings[gpu.name]
             load: float | None = None
-            detail = ""
+            detail = reading if isinstance(reading, str) else ""
             if trees is None:
-                detail = "the upstreams' processes could not be read"
-            else:
-                try:
-                    load, users = await self._owner_load(gpu.name, trees)
-                    seen |= users
-                except Exception as exc:
-                    detail = f"per-process GPU use unreadable: {exc}"
+                detail = detail or "the upstreams' processes could not be read"
+            elif isinstance(reading, _GpuSample):
+                attribution = attribute_gpu_load(reading.samples, trees, start_times)
+                load = attribution.owner_load_pct
+                seen |= attribution.upstreams_seen
+                seen |= upstreams_of(reading.holders, trees, start_times)
             if load is None:
                 complete = False
             now = trio.current_time()
@@ -139,21 +163,45 @@ class PressureCollector:
                     )
                 self._state.unseen_gpu_work = unseen
 
-    async def _owner_load(
-        self, resource: str, trees: dict[str, UpstreamTree]
-    ) -> tuple[float, frozenset[str]]:
+    async def _read_gpu(self, resource: str) -> _GpuSample:
         utilisation = await self._nvml.process_utilization(
             resource, self._last_seen_us.get(resource, 0)
         )
         self._last_seen_us[resource] = utilisation.newest_timestamp_us
         running = await self._nvml.processes(resource)
-        holders = [process.pid for process in (*running.compute, *running.graphics)]
-        pids = {pid for pid, _ in utilisation.samples} | set(holders)
-        start_times = await run_probe(partial(current_start_times, pids), self._deadline_s)
-        samples = [(pid, float(share)) for pid, share in utilisation.samples]
-        attribution = attribute_gpu_load(samples, trees, start_times)
-        users = attribution.upstreams_seen | upstreams_of(holders, trees, start_times)
-        return attribution.owner_load_pct, users
+        holders = tuple(process.pid for process in (*running.compute, *running.graphics))
+        samples = tuple((pid, float(share)) for pid, share in utilisation.samples)
+        return _GpuSample(samples, holders)
+
+    async def _upstream_trees(
+        self, now: float, start_times: dict[int, float]
+    ) -> dict[str, UpstreamTree]:
+        """The upstreams' process trees, rescanned only when they may have changed.
+
+        Reading the socket table is the loop's one expensive step, so the last scan is
+        reused unless it is older than TREE_RESCAN_S or a GPU shows a process it has not
+        classified yet (a restarted upstream must never be mistaken for the owner).
+        """
+        known = {
+            (process.pid, process.start_time)
+            for tree in (self._trees or {}).values()
+            for process in tree.processes
+        } | self._foreign
+        current = {(pid, start) for pid, start in start_times.items()}
+        stale = self._trees is None or now - self._trees_at > TREE_RESCAN_S
+        if stale or any(identity not in known for identity in current):
+            self._trees = await run_probe(
+                partial(scan_upstream_trees, self._targets), self._deadline_s
+            )
+            self._trees_at = now
+            members = {
+                (process.pid, process.start_time)
+                for tree in self._trees.values()
+                for process in tree.processes
+            }
+            self._foreign = {identity for identity in current if identity not in members}
+        assert self._trees is not None
+        return self._trees
 
     def _guard(self, gpu: ResourceConfig) -> PressureGuard:
         guard = self._guards.get(gpu.name)
