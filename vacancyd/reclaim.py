@@ -56,6 +56,8 @@ ACTION_DEADLINE_S = 10.0
 CONFIRM_DEADLINE_S = 10.0
 # An unload counts as confirmed once this share of what the upstream said it held is free.
 CONFIRM_SHARE = 0.8
+# How many more polls a submission cut before its answer is looked for in the queue.
+LATE_CANCEL_ATTEMPTS = 3
 
 
 @attrs.define
@@ -248,6 +250,32 @@ class UpstreamReclaim:
         for reservation in affected:
             if not report.error and reservation.phase == "tracking":
                 self._ledger.release(reservation)
+        await self._cancel_late_submissions(affected, report.not_found)
+
+    async def _cancel_late_submissions(
+        self, affected: list[Reservation], not_found: tuple[str, ...]
+    ) -> None:
+        """A submission cut before its answer may still land in the upstream's queue.
+
+        vacancyd named the job before forwarding it, so it keeps asking for that name to be
+        cancelled for a few polls after the first pass found nothing under it.
+        """
+        actions = self.adapter.actions
+        cut_early = {i for r in affected if r.phase != "tracking" for i in r.job_ids}
+        missing = frozenset(set(not_found) & cut_early)
+        for _ in range(LATE_CANCEL_ATTEMPTS):
+            if not missing or actions is None:
+                return
+            await trio.sleep(self._state.poll_interval_s)
+            report = await actions.cancel_jobs(self._context(), missing)
+            found = set(report.deleted_pending) | set(report.interrupted)
+            if found:
+                log.info(
+                    "cancelled late borrowed submission(s) on %s: %s",
+                    self.upstream.name,
+                    ", ".join(sorted(found)),
+                )
+            missing = frozenset(missing - found)
 
     async def _unload_and_confirm(self, record: ReclaimRecord) -> None:
         actions = self.adapter.actions
