@@ -1,0 +1,190 @@
+"""A durable hold outlives the daemon: after a restart the held resource still refuses.
+
+vacancyd runs as a subprocess (`python -m vacancyd run --config FILE`) on a state
+directory kept across two runs. The hold is made by a real cut: a generic OpenAI server
+(which may keep working after its connection is cut, `stops_on_disconnect` False) streams
+a borrowed answer, the owner unlocks the session on a mock logind (tests/support/logind.py,
+a private system bus) and the cancel policy cuts the stream. The first daemon is stopped
+with SIGTERM, a second one starts on the same state directory and must refuse that
+resource (503 resource_busy naming the hold) until an admin releases it.
+
+The owner policy: a locked session lends (`lend_when_locked = true`), an unlocked one is
+the owner at work, and locking again lends at once (`release_after_s = 0`).
+
+Real clock, two processes. Conditions are waited for on the daemon's own log lines (an
+event) where it writes one, otherwise by polling /status in a loop bounded in count and by
+`trio.fail_after`; nothing sleeps for a fixed time and then assumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.support.daemon import DaemonProcess, daemon_process
+from tests.support.fake_http import raw_chunks
+from tests.support.logind import mock_logind
+from tests.support.upstreams import EchoUpstream
+
+SESSION = "2"
+WAIT_S = 15.0
+POLL_S = 0.05
+MAX_POLLS = int(WAIT_S / POLL_S) + 1
+HOLD_REASON = "gen may keep running the job after its connection was cut"
+
+CONFIG = """
+[server]
+api_listen = "127.0.0.1:0"
+state_dir = "{state_dir}"
+poll_interval_s = 0.5
+
+[owner]
+presence = "logind"
+lend_when_locked = true
+lend_when_idle = false
+release_after_s = 0
+
+[[resource]]
+name = "ram"
+kind = "memory"
+
+[[upstream]]
+name = "gen"
+adapter = "openai"
+listen = "127.0.0.1:0"
+target = "{target}"
+resource = "ram"
+on_owner_return = "cancel"
+default_need_mib = {{ ram = 64 }}
+"""
+
+
+async def status(client: httpx.AsyncClient, daemon: DaemonProcess) -> dict[str, Any]:
+    response = await client.get(f"{daemon.api}/status")
+    assert response.status_code == 200, response.text
+    document: dict[str, Any] = response.json()
+    return document
+
+
+async def status_until(
+    client: httpx.AsyncClient,
+    daemon: DaemonProcess,
+    predicate: Callable[[dict[str, Any]], bool],
+    what: str,
+) -> dict[str, Any]:
+    """Poll /status until `predicate` holds; bounded in polls and in time."""
+    document: dict[str, Any] = {}
+    with trio.move_on_after(WAIT_S):
+        for _ in range(MAX_POLLS):
+            document = await status(client, daemon)
+            if predicate(document):
+                return document
+            await trio.sleep(POLL_S)
+    raise AssertionError(
+        f"/status never showed {what} within {WAIT_S:g}s; last document:\n"
+        f"{json.dumps(document, indent=2)}\ndaemon log:\n{daemon.log}"
+    )
+
+
+def lending(document: dict[str, Any]) -> bool:
+    return document["presence"]["refuses"] is None and document["resources"]["ram"]["quality"] == (
+        "ready"
+    )
+
+
+def held_work(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [w for w in document["upstreams"]["gen"]["active_work"] if w["phase"] == "held"]
+
+
+async def work(client: httpx.AsyncClient, daemon: DaemonProcess) -> httpx.Response:
+    return await client.post(f"{daemon.proxies['gen']}/v1/chat/completions", json={"prompt": "x"})
+
+
+async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    config = tmp_path / "vacancyd.toml"
+    config.write_text(CONFIG.format(state_dir=tmp_path / "state", target=echo.url))
+    async with (
+        mock_logind(tmp_path / "bus") as logind,
+        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
+    ):
+        await logind.add_session(SESSION, announce=False)
+        await logind.set_locked(SESSION, True)
+        env = {"DBUS_SYSTEM_BUS_ADDRESS": logind.address}
+
+        # -- first run: a real cut makes the hold --------------------------------------
+        async with daemon_process(config, env=env) as first:
+            await status_until(client, first, lending, "a locked session that lends")
+            chat = f"{first.proxies['gen']}/v1/chat/completions"
+            received = b""
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with (
+                    client.stream("POST", chat, json={"echo_stream": {"events": 3}}) as stream,
+                    aclosing(raw_chunks(stream)) as pieces,
+                ):
+                    assert stream.status_code == 200
+                    received += await pieces.__anext__()
+                    await logind.set_locked(SESSION, False)  # the owner is back
+                    async for piece in pieces:
+                        received += piece
+            assert received == b"data: 0\n\n"
+            held_line = await first.wait_for_line(r"holding ram for job \d+ on gen: ", WAIT_S)
+            assert HOLD_REASON in held_line
+
+            await logind.set_locked(SESSION, True)  # the owner leaves; the hold stays
+            document = await status_until(client, first, lending, "the session lending again")
+            [hold] = held_work(document)
+            assert hold["hold_reason"] == HOLD_REASON
+            refused = await work(client, first)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "resource_busy"
+        assert first.process.returncode == 0, first.log
+
+        saved = json.loads((tmp_path / "state" / "holds.json").read_text())
+        assert saved["vacancyd_state"] == "holds"
+        [entry] = saved["data"]["holds"]
+        assert (entry["upstream"], entry["resources"], entry["reason"]) == (
+            "gen",
+            ["ram"],
+            HOLD_REASON,
+        )
+
+        # -- second run on the same state directory: still held --------------------------
+        async with daemon_process(config, env=env) as second:
+            restored_line = r"1 durable hold\(s\) restored"
+            assert any(re.search(restored_line, line) for line in second.lines), second.log
+            document = await status_until(client, second, lending, "the locked session lending")
+            [hold] = held_work(document)
+            restored_reason = f"{HOLD_REASON} (restored after restart)"
+            assert hold["hold_reason"] == restored_reason
+            assert hold["held_since"] == entry["since"]
+            assert hold["resources"] == ["ram"]
+            assert document["resources"]["ram"]["reserved_by"] == hold["job_id"]
+
+            refused = await work(client, second)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "2"
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("no_vacancy", "resource_busy")
+            assert error["message"] == f"ram is held: {restored_reason}"
+            metrics = (await client.get(f"{second.api}/metrics")).text
+            assert 'vacancyd_holds{upstream="gen"} 1.0' in metrics
+
+            released = await client.post(f"{second.api}/admin/holds/{hold['job_id']}/release")
+            assert released.status_code == 200, released.text
+            assert released.json() == {"released": hold["job_id"], "resources": ["ram"]}
+            admitted = await work(client, second)
+            assert admitted.status_code == 200, admitted.text
+            document = await status(client, second)
+            assert held_work(document) == []
+        assert second.process.returncode == 0, second.log
+        assert json.loads((tmp_path / "state" / "holds.json").read_text())["data"]["holds"] == []
