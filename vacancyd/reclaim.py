@@ -58,6 +58,8 @@ CONFIRM_DEADLINE_S = 10.0
 CONFIRM_SHARE = 0.8
 # How many more polls a submission cut before its answer is looked for in the queue.
 LATE_CANCEL_ATTEMPTS = 3
+# How often the GPU is re-read while waiting for an unload's memory to come back.
+CONFIRM_POLL_S = 0.1
 
 
 @attrs.define
@@ -194,7 +196,7 @@ class UpstreamReclaim:
             if policy is not OnOwnerReturn.FINISH:
                 nursery.start_soon(self._cancel_upstream_jobs, affected, record)
             if self.upstream.yield_on_veto and self.adapter.actions is not None:
-                nursery.start_soon(self._unload_and_confirm, record)
+                nursery.start_soon(self._unload_and_confirm, record, affected)
         self._finish(record, "cancelled" if record.cancelled_jobs else "completed")
         return seen
 
@@ -277,7 +279,7 @@ class UpstreamReclaim:
                 )
             missing = frozenset(missing - found)
 
-    async def _unload_and_confirm(self, record: ReclaimRecord) -> None:
+    async def _unload_and_confirm(self, record: ReclaimRecord, affected: list[Reservation]) -> None:
         actions = self.adapter.actions
         assert actions is not None
         # Every job vacancyd admitted to this server, through any upstream that reaches it:
@@ -287,7 +289,7 @@ class UpstreamReclaim:
         ]
         ours = frozenset(
             i for name in same_server for r in self._ledger.entries_for(name) for i in r.job_ids
-        )
+        ) | frozenset(i for r in affected for i in r.job_ids)
         gpus = [
             name
             for name in self._resources
@@ -331,7 +333,10 @@ class UpstreamReclaim:
         wanted = int(expected * CONFIRM_SHARE) if expected else 64 * MIB
         with trio.move_on_after(CONFIRM_DEADLINE_S):
             while True:
+                # At a steady pace: each sample is itself a change, so asking on every
+                # change would read the GPU back to back on the owner's machine.
                 self._state.request_sample()
+                await trio.sleep(CONFIRM_POLL_S)
                 for name in gpus:
                     observation = self._state.observation(name)
                     base = before.get(name)
@@ -342,8 +347,8 @@ class UpstreamReclaim:
                         and base is not None
                         and observation.free_bytes - base >= wanted
                     ):
-                        return observation.taken_at
-                await self._state.wait_changed()
+                        # When vacancyd saw it, never earlier than the reading it came from.
+                        return trio.current_time()
         return None
 
     def _hold_unproven(self, cancelled: list[Reservation], record: ReclaimRecord) -> None:

@@ -61,6 +61,8 @@ from vacancyd.adapters.actions import (
 ALL_MODELS = "all models"
 # Below this much allocator memory in use, a running row that is not ours is a dead job's.
 STALE_RUNNING_BELOW_BYTES = 1024**3
+# How many borrowed prompts not in the queue are looked up in the history.
+RECENT_CHECKS = 8
 # POST /interrupt honours a prompt_id from this release on (commit 464ba1d6).
 TARGETED_INTERRUPT_SINCE = (0, 3, 57)
 # Device types whose torch figures describe system RAM, not a GPU's memory.
@@ -266,9 +268,17 @@ async def _unload(
     else:
         progress.expected_free_bytes = stats.reserved_bytes
     foreign = next((row for row in queue.running if row not in ours), None) if queue else None
-    # ComfyUI runs one prompt at a time: while one of ours is (or was just) listed as running,
-    # the memory its allocator holds is ours, and cannot vouch for a foreign running row.
+    # ComfyUI runs one prompt at a time: while one of ours is listed as running, or has run,
+    # the memory its allocator holds may be ours, and cannot vouch for a foreign running row.
     ours_running = queue is not None and any(row in ours for row in queue.running)
+    if not ours_running and queue is not None and any(r not in ours for r in queue.running):
+        # A borrowed prompt that already ended (or was just interrupted) leaves its models
+        # in ComfyUI's allocator too: that memory cannot vouch for a foreign row either.
+        listed = set(queue.running) | set(queue.pending)
+        for job_id in sorted(ours - listed)[:RECENT_CHECKS]:
+            if await _job_state(ctx, job_id) == "done":
+                ours_running = True
+                break
     if foreign is not None:
         held = stats.active_bytes if stats is not None else None
         if held is not None and held >= STALE_RUNNING_BELOW_BYTES and not ours_running:
@@ -279,7 +289,7 @@ async def _unload(
         if held is not None and held < STALE_RUNNING_BELOW_BYTES:
             why = f"ComfyUI holds only {_mib(held)} of VRAM"
         elif ours_running:
-            why = "the VRAM ComfyUI holds belongs to a borrowed prompt running beside it"
+            why = "the VRAM ComfyUI holds may be a borrowed prompt's"
         elif stats is None:
             why = f"its VRAM could not be read ({stats_error})"
         else:
