@@ -61,4 +61,6 @@ async def send_error(
     headers = [(b"retry-after", str(retry_after_s).encode())] if retry_after_s else []
     if close:
         headers.append((b"connection", b"close"))
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="vacancyd"'))
     await send_json(send, status, error_payload(error_type, code, message, **extra), headers)
