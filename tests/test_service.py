@@ -9,6 +9,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -149,3 +150,33 @@ def test_an_unusable_state_dir_is_a_clear_start_up_error(tmp_path: Path) -> None
     )
     assert result.returncode == 1
     assert "cannot start: server.state_dir" in result.stderr
+
+
+async def test_the_embedded_default_runs_and_answers_healthz(tmp_path: Path) -> None:
+    """The README's first command: `vacancyd run` with no config at all."""
+    env = daemon_env({"XDG_STATE_HOME": str(tmp_path)})
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "vacancyd", "run"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    lines: list[str] = []
+    try:
+        assert process.stderr is not None
+        with trio.fail_after(30):
+            buffer = b""
+            while "vacancyd ready" not in buffer.decode(errors="replace"):
+                chunk = await process.stderr.receive_some(4096)
+                assert chunk, "vacancyd exited before it was ready:\n" + buffer.decode()
+                buffer += chunk
+        lines = buffer.decode(errors="replace").splitlines()
+        async with httpx.AsyncClient(trust_env=False) as http:
+            health = await http.get("http://127.0.0.1:9460/healthz")
+        assert health.status_code == 200 and health.json() == {"status": "alive"}
+        assert any("the embedded default config" in line for line in lines)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            await process.wait()
+    assert process.returncode == 0
