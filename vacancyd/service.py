@@ -21,6 +21,7 @@ from vacancyd.admission import Admission, Ledger
 from vacancyd.api.app import create_api_app
 from vacancyd.auth import Authenticator, read_token_file
 from vacancyd.collect.calibration_store import CalibrationStore
+from vacancyd.collect.listeners import run_listener_watch
 from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure import PressureCollector
 from vacancyd.collect.system import run_system_collector
@@ -179,6 +180,15 @@ async def run_daemon(
             ),
         )
         backend = choose_backend(config.owner)
+        await supervisor.start(
+            "collector:listeners",
+            partial(
+                run_listener_watch,
+                state,
+                {u.name: parse_target(u.target) for u in config.upstream},
+                deadline_s=config.server.probe_deadline_s,
+            ),
+        )
         await supervisor.start(
             "presence",
             partial(run_presence, state, backend, deadline_s=config.server.probe_deadline_s),

@@ -138,6 +138,8 @@ class SharedState:
         self.edge_seq = 0
         # Upstreams with admitted work running but no process of theirs seen on a GPU.
         self.unseen_gpu_work: frozenset[str] = frozenset()
+        # Per upstream: does its own server listen only on loopback? (collect/listeners.py)
+        self.listener_states: dict[str, str] = {}
         self._changed = trio.Event()
         self._sample_wanted = trio.Event()
         self.sample_requests = 0

@@ -86,6 +86,7 @@ def status_document(
                 "bound": state.listeners.get(u.name, []),
                 "connections": _connections(guards.get(u.name)),
                 "target": u.target,
+                "listener": {"state": state.listener_states.get(u.name, "unknown")},
                 "resource": u.resource,
                 "also_requires": list(u.also_requires),
                 "owner_scope": u.owner_scope.value,

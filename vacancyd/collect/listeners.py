@@ -1,0 +1,80 @@
+"""Whether each upstream's own server can be reached without going through vacancyd.
+
+The gate only protects what passes through it. If the inference server behind an upstream
+also listens on the network, borrowers (or anyone) can skip the gate entirely; this loop
+says so in /status and in the log, once per change. It reads the machine's listening
+sockets, so it can only speak for targets on this machine:
+
+* loopback_only: every socket on the target's port is bound to a loopback address;
+* listens_on_network: some socket on that port is bound to a wildcard or a non-loopback
+  address, so the server is reachable from elsewhere;
+* unknown: no socket listens on the port, or the socket table could not be read;
+* not_observable: the target is not a loopback address, so no local socket describes it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterable
+
+import trio
+
+from vacancyd.collect.attribution import ListenSocket, read_listen_sockets
+from vacancyd.collect.probe import run_probe
+from vacancyd.config import Target, is_loopback_host
+from vacancyd.state import SharedState
+
+log = logging.getLogger(__name__)
+
+SCAN_EVERY_S = 30.0
+
+
+def listener_state(target: Target, sockets: Iterable[ListenSocket]) -> str:
+    if not is_loopback_host(target.host):
+        return "not_observable"
+    on_port = [s for s in sockets if s.port == target.port]
+    if not on_port:
+        return "unknown"
+    for listening in on_port:
+        try:
+            address = ipaddress.ip_address(listening.ip.split("%", 1)[0])
+        except ValueError:
+            return "listens_on_network"
+        if not address.is_loopback:
+            return "listens_on_network"  # a wildcard or a routable address
+    return "loopback_only"
+
+
+async def run_listener_watch(
+    state: SharedState,
+    targets: dict[str, Target],
+    *,
+    deadline_s: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Re-read the socket table every SCAN_EVERY_S; started after the first reading."""
+    started = False
+    while True:
+        try:
+            sockets = await run_probe(read_listen_sockets, deadline_s)
+        except Exception as exc:  # psutil.Error, OSError or the probe's timeout
+            log.debug("cannot read the listening sockets: %s", exc)
+            sockets = None
+        for name, target in targets.items():
+            found = "unknown" if sockets is None else listener_state(target, sockets)
+            if found == "listens_on_network" and state.listener_states.get(name) != found:
+                log.warning(
+                    "the server behind upstream %s (%s) also listens on the network: "
+                    "requests sent to it directly bypass vacancyd; bind it to loopback",
+                    name,
+                    target.origin,
+                )
+            state.listener_states[name] = found
+        if not started:
+            task_status.started()
+            started = True
+        await trio.sleep(SCAN_EVERY_S)
+
+
+__all__ = ["listener_state", "run_listener_watch"]
