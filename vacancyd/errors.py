@@ -1,13 +1,13 @@
-"""The exception taxonomy vacancyd raises, and the one place it maps to HTTP.
+"""The exception taxonomy vacancyd raises on purpose.
 
     VacancydError
     ├── ConfigError          the configuration is wrong; every problem, each with its key path
     ├── StartupError         something the daemon needs at start is missing (state dir, port)
     └── UpstreamError        the upstream failed us
-        ├── UpstreamUnavailable     could not connect, or the connection broke
-        └── UpstreamProtocolError   it answered something we cannot relay
+        └── UpstreamUnavailable     could not connect, or the connection broke
 
-Refusals are not exceptions: the gate returns them as values.
+Refusals are not exceptions: the gate returns them as values, and the proxy's own answers
+(each with its status) are written in proxy/replies.py.
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ class StartupError(VacancydError):
 
 
 class UpstreamError(VacancydError):
-    status = 502
+    pass
 
 
 class UpstreamUnavailable(UpstreamError):
-    status = 502
-
-
-class UpstreamProtocolError(UpstreamError):
-    status = 502
+    pass

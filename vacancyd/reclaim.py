@@ -76,7 +76,6 @@ class ReclaimRecord:
     unload: str = ""
     unload_requested_at: float | None = None
     unload_confirmed_at: float | None = None
-    finished_at: float | None = None
 
 
 @attrs.define
@@ -104,6 +103,7 @@ class UpstreamReclaim:
         self._client = client
         self._credential = credential
         self._resources = (upstream.resource, *upstream.also_requires)
+        self._target = parse_target(upstream.target)
         self.current: ReclaimRecord | None = None
         self.last: ReclaimRecord | None = None
         self.statistics = ReclaimStatistics()
@@ -285,7 +285,7 @@ class UpstreamReclaim:
         # Every job vacancyd admitted to this server, through any upstream that reaches it:
         # only other work counts as foreign.
         same_server = [
-            u.name for u in self._state.config.upstream if u.target == self.upstream.target
+            u.name for u in self._state.config.upstream if parse_target(u.target) == self._target
         ]
         ours = frozenset(
             i for name in same_server for r in self._ledger.entries_for(name) for i in r.job_ids
@@ -366,7 +366,7 @@ class UpstreamReclaim:
         assert self._client is not None
         return UpstreamContext(
             client=self._client,
-            target=parse_target(self.upstream.target),
+            target=self._target,
             credential=self._credential,
             deadline_s=ACTION_DEADLINE_S,
         )
@@ -374,7 +374,6 @@ class UpstreamReclaim:
     def _finish(self, record: ReclaimRecord, outcome: str) -> None:
         if record.phase != "stood_down":
             record.phase = "done"
-        record.finished_at = trio.current_time()
         self.statistics.reclaims[(record.trigger.split(":")[0], outcome)] += 1
         self.last = record
         self.current = None

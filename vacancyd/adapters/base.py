@@ -134,9 +134,6 @@ class Adapter:
             {r.path for r in self.routes if "GET" in r.methods and r.route_class is RouteClass.PASS}
         )
 
-    def listed_work(self) -> list[str]:
-        return sorted({r.path for r in self.routes if r.route_class is RouteClass.WORK})
-
 
 def remove_dot_segments(path: str) -> str:
     """RFC 3986 section 5.2.4, as an HTTP client resolves a URL before sending it.

@@ -110,7 +110,7 @@ def listener_pids(sockets: Iterable[ListenSocket], target: Target) -> tuple[set[
     for sock in sockets:
         if sock.port != target.port:
             continue
-        address = _normalise(sock.ip)
+        address = normalise_address(sock.ip)
         if address is None:
             continue
         if _matches(address, wanted):
@@ -341,7 +341,7 @@ def _tree_detail(target: Target, processes: Collection[ProcessIdentity], hidden:
     return f"nothing listens on {where}; nothing is subtracted"
 
 
-def _normalise(text: str) -> Address | None:
+def normalise_address(text: str) -> Address | None:
     try:
         address = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
@@ -355,7 +355,7 @@ def _target_addresses(host: str) -> tuple[Address, ...] | None:
     """The target's exact addresses; None stands for "any loopback address" (localhost)."""
     if host == "localhost":
         return None
-    address = _normalise(host)
+    address = normalise_address(host)
     return () if address is None else (address,)
 
 

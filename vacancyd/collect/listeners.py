@@ -14,15 +14,14 @@ sockets, so it can only speak for targets on this machine:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import Iterable
 
 import trio
 
-from vacancyd.collect.attribution import ListenSocket, read_listen_sockets
-from vacancyd.collect.probe import run_probe
+from vacancyd.collect.attribution import ListenSocket, normalise_address, read_listen_sockets
 from vacancyd.config import Target, is_loopback_host
+from vacancyd.probe import run_probe
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -37,11 +36,8 @@ def listener_state(target: Target, sockets: Iterable[ListenSocket]) -> str:
     if not on_port:
         return "unknown"
     for listening in on_port:
-        try:
-            address = ipaddress.ip_address(listening.ip.split("%", 1)[0])
-        except ValueError:
-            return "listens_on_network"
-        if not address.is_loopback:
+        address = normalise_address(listening.ip)
+        if address is None or not address.is_loopback:
             return "listens_on_network"  # a wildcard or a routable address
     return "loopback_only"
 

@@ -31,9 +31,9 @@ from vacancyd.collect.attribution import (
 from vacancyd.collect.calibration_store import CalibrationStore
 from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure_guard import PressureGuard, build_threshold
-from vacancyd.collect.probe import ProbeTimeout, run_probe
 from vacancyd.collect.threshold import LearnedThreshold
 from vacancyd.config import PressureConfig, ResourceConfig, Target
+from vacancyd.probe import ProbeTimeout, run_probe
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ import attrs
 import psutil
 import trio
 
-from vacancyd.collect.probe import ProbeTimeout, run_probe
 from vacancyd.config import ResourceConfig
 from vacancyd.model import Observation, ResourceKind
+from vacancyd.probe import ProbeTimeout, run_probe
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)

@@ -15,14 +15,12 @@ thread under a deadline; a scan that overruns is abandoned and its thread left t
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from functools import partial
-from typing import TypeVar
 
 import psutil
-import trio
 
-T = TypeVar("T")
+from vacancyd.probe import ProbeTimeout, run_probe
 
 
 class OwnerScanTimeout(Exception):
@@ -60,12 +58,9 @@ async def scan_owner_programs(
     names: Collection[str], uids: Collection[int], *, deadline_s: float
 ) -> tuple[str, ...]:
     """find_owner_programs on a worker thread; raises OwnerScanTimeout past `deadline_s`."""
-    return await _on_thread(partial(find_owner_programs, names, uids), deadline_s)
-
-
-async def _on_thread(blocking: Callable[[], T], deadline_s: float) -> T:
-    # The same shape as the capacity collectors' probe runner, kept here because presence
-    # must not depend on them: it is the loop that takes the machine back.
-    with trio.move_on_after(deadline_s):
-        return await trio.to_thread.run_sync(blocking, abandon_on_cancel=True)
-    raise OwnerScanTimeout(f"owner-process scan did not finish within {deadline_s:g}s")
+    try:
+        return await run_probe(partial(find_owner_programs, names, uids), deadline_s)
+    except ProbeTimeout:
+        raise OwnerScanTimeout(
+            f"owner-process scan did not finish within {deadline_s:g}s"
+        ) from None

@@ -71,7 +71,6 @@ class WebSocketTunnels:
         self._limits = limits
         self._credential = credential
         self.open = 0
-        self.opened_total = 0
 
     async def take_over(
         self, stream: trio.SocketStream, received: bytes, client: tuple[str, int] | None
@@ -168,7 +167,6 @@ class WebSocketTunnels:
                 target += b"?" + query
             await upstream.send_all(self._replayed_head(request, target) + rest)
             self.open += 1
-            self.opened_total += 1
             try:
                 await self._splice(stream, upstream)
             finally:
