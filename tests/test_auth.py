@@ -22,7 +22,13 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.daemon import InProcessDaemon, daemon_env, daemon_process, in_process_daemon
+from tests.support.daemon import (
+    InProcessDaemon,
+    daemon_env,
+    daemon_process,
+    host_port,
+    in_process_daemon,
+)
 from tests.support.upstreams import EchoUpstream
 from vacancyd.auth import Authenticator
 from vacancyd.config import AuthConfig, Scope, TokenConfig, parse_config
@@ -389,9 +395,9 @@ async def test_an_upstream_credential_replaces_the_borrowers(
 async def upgrade(daemon: InProcessDaemon, token: str | None) -> bytes:
     """Send a WebSocket upgrade; return the whole refusal, or the 101 head (and then
     close the tunnel)."""
-    host, port = daemon.proxy("echo").removeprefix("http://").rsplit(":", 1)
+    host, port = host_port(daemon.proxy("echo"))
     authorization = b"Authorization: Bearer " + token.encode() + b"\r\n" if token else b""
-    stream = await trio.open_tcp_stream(host, int(port))
+    stream = await trio.open_tcp_stream(host, port)
     reply = b""
     async with stream:
         await stream.send_all(
@@ -447,8 +453,8 @@ async def test_a_malformed_upgrade_is_refused_and_the_daemon_keeps_serving(
     config_file.write_text(config(echo, tmp_path, trust_loopback=True))
     with trio.fail_after(30):
         async with daemon_process(config_file) as daemon:
-            host, port = daemon.proxies["echo"].removeprefix("http://").rsplit(":", 1)
-            stream = await trio.open_tcp_stream(host, int(port))
+            host, port = host_port(daemon.proxies["echo"])
+            stream = await trio.open_tcp_stream(host, port)
             async with stream:
                 if cut == "oversized":
                     await stream.send_all(UPGRADE_HEAD + b"X-Pad: " + b"a" * 17000)

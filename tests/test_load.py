@@ -28,7 +28,8 @@ import httpx
 import psutil
 import trio
 
-from tests.support.daemon import DaemonProcess, daemon_process
+from tests.support.configs import one_upstream_config
+from tests.support.daemon import DaemonProcess, daemon_process, host_port
 from tests.support.upstreams import EchoUpstream
 
 IDLE = 500
@@ -38,26 +39,12 @@ MIB = 1024 * 1024
 
 
 def config(upstream: EchoUpstream, tmp_path: Path) -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-[server.limits]
-max_connections = 1000
-header_timeout_s = 60.0
-write_stall_timeout_s = 30.0
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-"""
+    return one_upstream_config(
+        upstream.url,
+        tmp_path / "state",
+        limits="max_connections = 1000\nheader_timeout_s = 60.0\nwrite_stall_timeout_s = 30.0",
+        poll_interval_s=None,
+    )
 
 
 @contextmanager
@@ -71,11 +58,6 @@ def enough_file_descriptors(needed: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def address(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
 
 
 def rss(daemon: DaemonProcess) -> int:
@@ -111,7 +93,7 @@ async def idle_connections(
 ) -> list[trio.SocketStream]:
     streams = []
     for _ in range(count):
-        stream = await trio.open_tcp_stream(*address(daemon.proxies["echo"]))
+        stream = await trio.open_tcp_stream(*host_port(daemon.proxies["echo"]))
         await stack.enter_async_context(stream)
         await stream.send_all(b"GET /v1/mod")  # a request line that is never finished
         streams.append(stream)
@@ -120,7 +102,7 @@ async def idle_connections(
 
 async def stalled_reader(stack: AsyncExitStack, daemon: DaemonProcess) -> trio.SocketStream:
     """A client that asks for STREAM_BYTES and stops reading once the stream has begun."""
-    stream = await trio.open_tcp_stream(*address(daemon.proxies["echo"]))
+    stream = await trio.open_tcp_stream(*host_port(daemon.proxies["echo"]))
     await stack.enter_async_context(stream)
     stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     body = b'{"echo_bytes": {"total": %d}}' % STREAM_BYTES
@@ -223,7 +205,7 @@ async def test_a_stalled_websocket_reader_is_cut_and_the_daemon_keeps_serving(
     config_file.write_text(stall_config(echo, tmp_path))
     with trio.fail_after(30):
         async with daemon_process(config_file) as daemon:
-            stream = await trio.open_tcp_stream(*address(daemon.proxies["echo"]))
+            stream = await trio.open_tcp_stream(*host_port(daemon.proxies["echo"]))
             async with stream:
                 stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 await stream.send_all(

@@ -9,36 +9,21 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.support.daemon import in_process_daemon
+from tests.support.configs import one_upstream_config
+from tests.support.daemon import host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 
 
 def config(
     upstream: EchoUpstream, tmp_path: Path, *, upstream_extra: str = "", head: str = ""
 ) -> str:
-    return f"""
-{head}
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[server.limits]
-max_request_body_mib = 1
-max_buffered_body_mib = 2
-body_idle_timeout_s = 1.0
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-{upstream_extra}
-"""
+    return one_upstream_config(
+        upstream.url,
+        tmp_path / "state",
+        limits="max_request_body_mib = 1\nmax_buffered_body_mib = 2\nbody_idle_timeout_s = 1.0",
+        upstream_extra=upstream_extra,
+        head=head,
+    )
 
 
 def client() -> httpx.AsyncClient:
@@ -104,7 +89,7 @@ async def test_the_resolved_path_and_query_are_forwarded_byte_for_byte(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
     async with in_process_daemon(config(echo, tmp_path)) as daemon:
-        stream = await trio.open_tcp_stream(*_host_port(daemon.proxy("echo")))
+        stream = await trio.open_tcp_stream(*host_port(daemon.proxy("echo")))
         async with stream:
             await stream.send_all(
                 b"GET /v1/x/../models?limit=5&after=a%2Fb HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -229,11 +214,6 @@ async def test_client_leaving_mid_stream_releases_the_resource(
         echo.gate.set()
         after = await http.post(f"{base}/v1/embeddings", json={"model": "m"})
         assert after.status_code == 200
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
 
 
 async def _read_all(stream: trio.SocketStream) -> bytes:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 from vacancyd.model import PresenceReading, SessionState
 
@@ -118,8 +118,8 @@ async def test_a_stalled_borrower_cannot_delay_closing_the_upstream(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
     async with in_process_daemon(config(echo, tmp_path, "cancel")) as daemon:
-        host, port = daemon.proxy("echo").removeprefix("http://").rsplit(":", 1)
-        stream = await trio.open_tcp_stream(host, int(port))
+        host, port = host_port(daemon.proxy("echo"))
+        stream = await trio.open_tcp_stream(host, port)
         async with stream:
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             body = b'{"echo_bytes": {"total": 268435456}}'

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.configs import one_upstream_config
+from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 
 
@@ -29,35 +30,12 @@ def config(upstream: EchoUpstream, tmp_path: Path, **limits: object) -> str:
         **limits,
     }
     rendered = "\n".join(f"{key} = {value}" for key, value in values.items())
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[server.limits]
-{rendered}
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-"""
-
-
-def address(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
+    return one_upstream_config(upstream.url, tmp_path / "state", limits=rendered)
 
 
 @asynccontextmanager
 async def raw(daemon: InProcessDaemon) -> AsyncIterator[trio.SocketStream]:
-    stream = await trio.open_tcp_stream(*address(daemon.proxy("echo")))
+    stream = await trio.open_tcp_stream(*host_port(daemon.proxy("echo")))
     async with stream:
         yield stream
 

@@ -9,7 +9,8 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.configs import one_upstream_config
+from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 
 # trio-websocket's client does not close its TCP socket when the server side ends the
@@ -19,26 +20,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:unclosed <socket.socket:Resource
 
 
 def config(upstream: EchoUpstream, tmp_path: Path, *, extra: str = "", limits: str = "") -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[server.limits]
-{limits or "websocket_idle_timeout_s = 30.0"}
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-{extra}
-"""
+    return one_upstream_config(
+        upstream.url,
+        tmp_path / "state",
+        limits=limits or "websocket_idle_timeout_s = 30.0",
+        upstream_extra=extra,
+    )
 
 
 def ws_url(daemon: InProcessDaemon, path: str) -> str:
@@ -47,8 +34,8 @@ def ws_url(daemon: InProcessDaemon, path: str) -> str:
 
 async def refused_upgrade(daemon: InProcessDaemon, path: str) -> bytes:
     """Send an upgrade by hand and read the whole (non-101) answer."""
-    host, port = daemon.proxy("echo").removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
+    host, port = host_port(daemon.proxy("echo"))
+    stream = await trio.open_tcp_stream(host, port)
     reply = b""
     async with stream:
         await stream.send_all(

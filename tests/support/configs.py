@@ -38,3 +38,41 @@ default_need_mib = { ram = 500 }
 [upstream.models."big"]
 need_mib = { ram = 8000 }
 """
+
+
+def one_upstream_config(
+    target: str,
+    state_dir: object,
+    *,
+    limits: str = "",
+    upstream_extra: str = "",
+    head: str = "",
+    poll_interval_s: float | None = 0.5,
+) -> str:
+    """A headless daemon with one memory resource and one openai upstream named "echo".
+
+    Listeners use port 0; `limits` goes under [server.limits], `upstream_extra` into the
+    [[upstream]] table, `head` before everything (for top-level tables such as [auth]).
+    """
+    poll = f"poll_interval_s = {poll_interval_s}" if poll_interval_s is not None else ""
+    return f"""
+{head}
+[server]
+api_listen = "127.0.0.1:0"
+state_dir = "{state_dir}"
+{poll}
+[server.limits]
+{limits}
+[owner]
+presence = "headless"
+[[resource]]
+name = "ram"
+kind = "memory"
+[[upstream]]
+name = "echo"
+adapter = "openai"
+listen = "127.0.0.1:0"
+target = "{target}"
+resource = "ram"
+{upstream_extra}
+"""

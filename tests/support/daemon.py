@@ -143,3 +143,9 @@ async def daemon_process(
                 if late.cancelled_caught:
                     process.kill()
                     await process.wait()
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """("127.0.0.1", 8080) from "http://127.0.0.1:8080", for raw-socket clients."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
