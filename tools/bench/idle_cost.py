@@ -62,6 +62,7 @@ from tests.support.fake_nvml import (
     fake_nvml_library,
 )
 from tests.support.logind import mock_logind
+from tools.bench.common import version
 
 SESSION = "2"
 
@@ -198,15 +199,6 @@ def report(result: dict[str, Any], total_s: float) -> str:
     lines.append("")
     lines.append(f"total time of the command: {total_s:.1f} s")
     return "\n".join(lines)
-
-
-def version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vacancyd")
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

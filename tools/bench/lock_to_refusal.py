@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -70,6 +69,7 @@ from tests.support.logind import (
     mock_logind,
     session_path,
 )
+from tools.bench.common import spread, version
 
 SESSION = "2"
 CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
@@ -196,12 +196,6 @@ class Flip:
     bus_call_ms: float
 
 
-def percentile(values: list[float], pct: float) -> float:
-    """Nearest-rank percentile (with fewer than 100 values, p99 is the maximum)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]
-
-
 async def flip_once(
     driver: SessionDriver,
     poller: Poller,
@@ -276,26 +270,18 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarise(args: argparse.Namespace, flips: list[Flip], answers: list[Answer]) -> dict[str, Any]:
-    def stats(values: list[float]) -> dict[str, float]:
-        return {
-            "median": statistics.median(values),
-            "p99": percentile(values, 99),
-            "min": min(values),
-            "max": max(values),
-        }
-
     by_code: dict[str, list[float]] = {}
     for answer in answers:
         by_code.setdefault(answer.code, []).append((answer.received - answer.sent) * 1000)
     return {
         "flips": len(flips),
         "hint": args.hint,
-        "arrive_to_first_503_ms": stats([f.to_503_ms for f in flips]),
-        "arrive_to_daemon_refusal_ms": stats([f.to_decision_ms for f in flips]),
-        "daemon_refusal_clock_error_ms": stats([f.decision_error_ms for f in flips]),
-        "arrive_to_last_unrefused_send_ms": stats([f.before_refusal_ms for f in flips]),
-        "leave_to_first_200_ms": stats([f.to_admission_ms for f in flips]),
-        "bus_call_ms": stats([f.bus_call_ms for f in flips]),
+        "arrive_to_first_503_ms": spread([f.to_503_ms for f in flips]),
+        "arrive_to_daemon_refusal_ms": spread([f.to_decision_ms for f in flips]),
+        "daemon_refusal_clock_error_ms": spread([f.decision_error_ms for f in flips]),
+        "arrive_to_last_unrefused_send_ms": spread([f.before_refusal_ms for f in flips]),
+        "leave_to_first_200_ms": spread([f.to_admission_ms for f in flips]),
+        "bus_call_ms": spread([f.bus_call_ms for f in flips]),
         "client_round_trip_ms": {
             code: {"count": len(times), "median": statistics.median(times)}
             for code, times in sorted(by_code.items())
@@ -333,15 +319,6 @@ def report(result: dict[str, Any], total_s: float) -> str:
     lines.append("")
     lines.append(f"p99 is nearest-rank; total time of the command: {total_s:.1f} s")
     return "\n".join(lines)
-
-
-def version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vacancyd")
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

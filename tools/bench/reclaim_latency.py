@@ -47,10 +47,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -77,6 +75,7 @@ from tests.support.fake_nvml import GIB, NvmlCallLog, NvmlState
 from tests.support.fake_ollama import Model
 from tests.support.logind import LOGIND, SESSION_INTERFACE, mock_logind, session_path
 from tests.support.ollama_gpu import DisconnectingOllama, GpuMirror, fake_nvml_env, load_models
+from tools.bench.common import spread, version
 
 SESSION = "2"
 MODEL = Model("bench:latest", size=4 * GIB)
@@ -131,12 +130,6 @@ class Run:
     clock_error_ms: float
     gpu_memory_reads: int
     daemon_cpu_ms: float
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """Nearest-rank percentile (with fewer than 100 values, p99 is the maximum)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]
 
 
 class Bench:
@@ -342,12 +335,7 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, float]]:
     result = {}
     for _, key in ROWS:
         values = [getattr(run, key) for run in runs]
-        result[key] = {
-            "median": statistics.median(values),
-            "p99": percentile(values, 99),
-            "min": min(values),
-            "max": max(values),
-        }
+        result[key] = spread(values)
     return result
 
 
@@ -373,15 +361,6 @@ def report(
     lines.append("* daemon-side times from /status, placed on the bench's clock")
     lines.append(f"p99 is nearest-rank; total time of the command: {total_s:.1f} s")
     return "\n".join(lines)
-
-
-def version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vacancyd")
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
