@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from tests.support.llama import llama_server
+from tests.support.plain_upstream import PlainUpstream, serve_plain
 from tests.support.upstreams import EchoUpstream, serve_echo
 
 
@@ -18,4 +19,11 @@ def llama_url() -> Iterator[str]:
 @pytest.fixture
 async def echo() -> AsyncIterator[EchoUpstream]:
     async with serve_echo() as upstream:
+        yield upstream
+
+
+@pytest.fixture
+def plain() -> Iterator[PlainUpstream]:
+    """A stdlib keep-alive HTTP/1.1 upstream that never upgrades and records every request."""
+    with serve_plain() as upstream:
         yield upstream

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ from tests.support.daemon import (
     in_process_daemon,
 )
 from tests.support.upstreams import EchoUpstream
-from vacancyd.auth import Authenticator
+from vacancyd.auth import MAX_TOKEN_FILE_BYTES, Authenticator
 from vacancyd.config import AuthConfig, Scope, TokenConfig, parse_config
 from vacancyd.errors import ConfigError, StartupError
 from vacancyd.service import run_daemon
@@ -326,7 +327,7 @@ async def test_a_token_file_others_can_read_stops_the_real_daemon(
         )
     log = finished.stderr.decode()
     assert finished.returncode == 1, log
-    assert f"token file {tmp_path / 'read.token'} is readable by other users" in log
+    assert f"token file {tmp_path / 'read.token'} is readable or writable by other users" in log
     assert "vacancyd ready" not in log
 
 
@@ -471,7 +472,8 @@ async def test_a_malformed_upgrade_is_refused_and_the_daemon_keeps_serving(
                         # connection before the answer is read; that is a refusal too.
                         assert cut == "oversized"
             if reply or cut == "half-closed":
-                assert reply.startswith(b"HTTP/1.1 400 "), reply[:80]
+                expected = b"HTTP/1.1 431 " if cut == "oversized" else b"HTTP/1.1 400 "
+                assert reply.startswith(expected), reply[:80]
             async with client() as http:
                 response = await http.get(
                     f"{daemon.proxies['echo']}/v1/models", headers=bearer(BORROW)
@@ -618,3 +620,105 @@ def test_loopback_trust_needs_a_host_header_that_names_this_machine() -> None:
     for host in ("rebind.attacker.example:9460", "x", "my-desktop:9460"):
         verdict = authenticator.check(None, "127.0.0.1", Scope.ADMIN, host)
         assert not verdict.allowed and verdict.status == 401, host
+
+
+# ---------------------------------------------------------------------------------------
+# Token and credential files are read only when they are private files of a trusted owner:
+# opened without following a symbolic link, owned by root or the daemon's own user, and
+# small. Every refusal names the config key that points at the file.
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def only_token_file(path: Path) -> AuthConfig:
+    return AuthConfig(tokens=[TokenConfig(name="f", scopes=[Scope.READ], file=str(path))])
+
+
+def refusal_of(path: Path) -> str:
+    with pytest.raises(StartupError) as caught:
+        Authenticator(only_token_file(path))
+    message = str(caught.value)
+    assert message.startswith(f"auth.tokens[0].file: token file {path} "), message
+    return message
+
+
+def test_a_token_file_behind_a_symlink_is_refused(tmp_path: Path) -> None:
+    real = private_file(tmp_path / "real.token", READ)
+    link = tmp_path / "read.token"
+    link.symlink_to(real)
+    assert "symbolic link" in refusal_of(link)
+
+
+@needs_root
+def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = private_file(tmp_path / "read.token", READ)
+    os.chown(path, NOBODY, NOBODY)
+    assert f"owned by uid {NOBODY}" in refusal_of(path)
+
+
+def test_a_token_file_of_root_or_the_daemons_user_is_read(tmp_path: Path) -> None:
+    path = private_file(tmp_path / "read.token", READ)
+    assert path.stat().st_uid in {0, os.geteuid()}
+    assert Authenticator(only_token_file(path)).check(f"Bearer {READ}", REMOTE, Scope.READ).allowed
+
+
+def test_a_huge_token_file_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "read.token"
+    with path.open("wb") as handle:
+        handle.truncate(MAX_TOKEN_FILE_BYTES + 1)
+    path.chmod(0o600)
+    assert f"larger than {MAX_TOKEN_FILE_BYTES} bytes" in refusal_of(path)
+
+
+def test_a_fifo_token_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    path = tmp_path / "read.token"
+    os.mkfifo(path, 0o600)
+    assert "not a regular file" in refusal_of(path)
+
+
+def test_a_readable_token_file_names_its_key(tmp_path: Path) -> None:
+    path = private_file(tmp_path / "read.token", READ, 0o640)
+    assert "is readable or writable by other users (mode 0640); chmod 600 it" in refusal_of(path)
+
+
+async def test_a_credential_file_behind_a_symlink_stops_the_daemon_naming_its_key(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    real = private_file(tmp_path / "real.key", "sk-upstream-own-key")
+    link = tmp_path / "upstream.key"
+    link.symlink_to(real)
+    parsed = parse_config(
+        config(echo, tmp_path, upstream_extra=f'credential_file = "{link}"'), source="<test>"
+    )
+    expected = re.escape(f"upstream[0].credential_file: credential file {link} ") + ".*symbolic"
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(StartupError, match=expected),
+        allow_unwrapped=True,
+        flatten_subgroups=True,
+    ):
+        await run_daemon(parsed, handle_signals=False)
+
+
+@needs_root
+async def test_a_credential_file_of_another_user_stops_the_real_daemon(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    credential = private_file(tmp_path / "upstream.key", "sk-upstream-own-key")
+    os.chown(credential, NOBODY, NOBODY)
+    config_file = tmp_path / "vacancyd.toml"
+    config_file.write_text(
+        config(echo, tmp_path, upstream_extra=f'credential_file = "{credential}"')
+    )
+    with trio.fail_after(30):
+        finished = await trio.run_process(
+            [sys.executable, "-m", "vacancyd", "run", "--config", str(config_file)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=daemon_env(),
+        )
+    log = finished.stderr.decode()
+    assert finished.returncode == 1, log
+    assert f"upstream[0].credential_file: credential file {credential} is owned by uid" in log
+    assert "vacancyd ready" not in log

@@ -763,6 +763,50 @@ def test_check_config_on_a_missing_file_exits_2(
     assert err == (f"{path}: 1 problem(s):\n  {path}: cannot read: No such file or directory\n")
 
 
+def nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"x = {nested(5000)}\n",
+        f"[server]\nstate_dir = {nested(5000)}\n",
+        f"[owner]\nowner_processes = {nested(5000)}\n",
+        f"x = {{ a = {nested(5000)} }}\n",
+    ],
+    ids=["top-level", "in-a-string-key", "in-a-list-key", "in-an-inline-table"],
+)
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_deep_nesting_is_one_problem_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, command: str
+) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text(text, "utf-8")
+    args = (
+        ["check-config", str(path)] if command == "check-config" else ["run", "--config", str(path)]
+    )
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"{path}: 1 problem(s):",
+        f"  {path}: nested too deeply to read (over the parser's recursion limit)",
+    ]
+
+
+def test_nesting_the_parser_can_read_is_a_short_problem_on_its_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text(f"[owner]\nowner_processes = {nested(150)}\n", "utf-8")
+    assert main(["check-config", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"{path}: 1 problem(s):"
+    assert lines[1].startswith("  owner.owner_processes[0]: expected a string, got [[[")
+    assert len(lines) == 2 and len(lines[1]) < 200
+
+
 # --- shapes and spellings that used to slip through ------------------------------------
 
 

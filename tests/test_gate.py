@@ -312,10 +312,30 @@ def test_each_rule_refuses_with_its_reason_and_hint(
     ],
 )
 def test_refusal_detail_tells_a_person_why(change: Change, words: list[str]) -> None:
-    # Operators read these in logs and borrowers in the 503 body; the evidence must survive.
-    detail = refusal(decide(change(BASE))).detail
+    # Operators read these in logs and /status; the evidence must survive.
+    detail = refusal(decide(change(BASE))).for_operator
     for word in words:
         assert word in detail
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        presence(fresh=False, detail="org.freedesktop.DBus.Error.NoReply"),
+        presence(evidence_complete=False, detail="/usr/lib/x.so: NVMLError_Unknown"),
+        presence(veto_engaged=True, detail="steam is running"),
+        resource("gpu0", quality=Quality.UNKNOWN, quality_detail="NVMLError_Unknown"),
+        pressure("gpu0", PressureQuality.UNKNOWN),
+        pressure("gpu0", PressureQuality.READY, engaged=True),
+    ],
+    ids=["stale-bus", "incomplete", "owner-programs", "collector", "pressure", "pressured"],
+)
+def test_borrowers_are_not_told_the_hosts_internals(change: Change) -> None:
+    # The evidence (collector and bus errors, the owner's programs) stays with the operator.
+    got = refusal(decide(change(BASE)))
+    assert got.internal
+    assert got.internal not in got.detail
+    assert got.internal in got.for_operator
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -29,7 +30,7 @@ import httpx
 import pytest
 import trio
 
-from tests.support.daemon import DaemonProcess, daemon_process
+from tests.support.daemon import DaemonProcess, daemon_env, daemon_process
 from tests.support.fake_http import raw_chunks
 from tests.support.logind import mock_logind
 from tests.support.upstreams import EchoUpstream
@@ -166,6 +167,9 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
             [hold] = held_work(document)
             restored_reason = f"{HOLD_REASON} (restored after restart)"
             assert hold["hold_reason"] == restored_reason
+            # What is saved again is the reason itself, so it cannot grow restart by restart.
+            saved_again = json.loads((tmp_path / "state" / "holds.json").read_text())
+            assert [e["reason"] for e in saved_again["data"]["holds"]] == [HOLD_REASON]
             assert hold["held_since"] == entry["since"]
             assert hold["resources"] == ["ram"]
             assert document["resources"]["ram"]["reserved_by"] == hold["job_id"]
@@ -188,3 +192,134 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
             assert held_work(document) == []
         assert second.process.returncode == 0, second.log
         assert json.loads((tmp_path / "state" / "holds.json").read_text())["data"]["holds"] == []
+
+
+# -- a holds file that cannot be trusted --------------------------------------------------
+
+TWO_RESOURCES = """
+[server]
+api_listen = "127.0.0.1:0"
+state_dir = "{state_dir}"
+poll_interval_s = 0.5
+
+[owner]
+presence = "headless"
+
+[[resource]]
+name = "ram"
+kind = "memory"
+
+[[resource]]
+name = "cpu"
+kind = "cpu"
+
+[[upstream]]
+name = "gen"
+adapter = "openai"
+listen = "127.0.0.1:0"
+target = "{target}"
+resource = "ram"
+
+[[upstream]]
+name = "other"
+adapter = "openai"
+listen = "127.0.0.1:0"
+target = "{target}"
+resource = "cpu"
+"""
+
+
+async def cli(*args: str) -> tuple[int, str, str]:
+    """Run the real `vacancyd` command line; (exit code, stdout, stderr)."""
+    with trio.fail_after(WAIT_S):
+        done = await trio.run_process(
+            [sys.executable, "-m", "vacancyd", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=daemon_env(),
+        )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+async def test_a_corrupt_holds_file_refuses_everything_until_an_admin_clears_it(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    holds = state_dir / "holds.json"
+    holds.write_bytes(b'{"vacancyd_state": "holds", "version": 1, "data": {"holds": [')
+    holds.chmod(0o600)
+    config = tmp_path / "vacancyd.toml"
+    config.write_text(TWO_RESOURCES.format(state_dir=state_dir, target=echo.url))
+
+    async with (
+        daemon_process(config) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
+    ):
+        # Logged with its path and reason ...
+        line = await daemon.wait_for_line(r"holds\.json", WAIT_S)
+        assert str(holds) in line and "not JSON" in line, daemon.log
+        # ... and shown in /status.
+        document = await status(client, daemon)
+        [problem] = document["state_files"]
+        assert (problem["path"], problem["kind"]) == (str(holds), "holds")
+        assert "not JSON" in problem["reason"]
+        assert sorted(problem["resources"]) == ["cpu", "ram"]
+        metrics = (await client.get(f"{daemon.api}/metrics")).text
+        assert 'vacancyd_state_file_problems{kind="holds"} 1.0' in metrics
+
+        # Every resource refuses new borrowed work with the hold reason.
+        for upstream, resource in (("gen", "ram"), ("other", "cpu")):
+            url = f"{daemon.proxies[upstream]}/v1/chat/completions"
+            refused = await client.post(url, json={"prompt": "x"})
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "2"
+            error = refused.json()["error"]
+            assert error["code"] == "resource_busy"
+            assert error["message"].startswith(f"{resource} is held: ")
+            assert str(holds) not in error["message"]
+            last = (await status(client, daemon))["upstreams"][upstream]["last_refusal"]
+            assert str(holds) in last["detail"] and "not JSON" in last["detail"]
+
+        # The command line shows it ...
+        code, out, err = await cli("status", "--api", daemon.api)
+        assert code == 0, err
+        assert f"state file {holds} is not JSON" in out
+        code, out, err = await cli("holds", "--api", daemon.api)
+        assert code == 0, err
+        assert str(holds) in out and "not JSON" in out and "cpu, ram" in out
+        code, out, err = await cli("holds", "--api", daemon.api, "--json")
+        assert code == 0, err
+        assert json.loads(out)["unreadable_file"]["path"] == str(holds)
+        # ... a job release does not clear it, and clearing it lends again.
+        code, out, err = await cli("release", "999", "--api", daemon.api)
+        assert code == 1 and "no durable hold for job 999" in err
+        assert holds.read_bytes().startswith(b'{"vacancyd_state"')
+        code, out, err = await cli("release", "--unreadable-file", "--api", daemon.api)
+        assert code == 0, err
+        [moved] = state_dir.glob("holds.json.rejected-*")
+        assert str(moved) in out
+        assert moved.read_bytes().startswith(b'{"vacancyd_state": "holds"')
+        await daemon.wait_for_line(r"cleared .*holds\.json", WAIT_S)
+
+        for upstream in ("gen", "other"):
+            url = f"{daemon.proxies[upstream]}/v1/chat/completions"
+            admitted = await client.post(url, json={"prompt": "x"})
+            assert admitted.status_code == 200, admitted.text
+        assert (await status(client, daemon))["state_files"] == []
+        metrics = (await client.get(f"{daemon.api}/metrics")).text
+        assert 'vacancyd_state_file_problems{kind="holds"} 0.0' in metrics
+        again = await client.post(f"{daemon.api}/admin/holds/unreadable/clear")
+        assert again.status_code == 404, again.text
+        assert again.json()["error"]["code"] == "no_unreadable_holds"
+        code, out, err = await cli("holds", "--api", daemon.api)
+        assert (code, out) == (0, "no durable holds\n"), err
+    assert daemon.process.returncode == 0, daemon.log
+
+    # The next run starts clean: the file left behind is a good, empty one.
+    async with (
+        daemon_process(config) as second,
+        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
+    ):
+        assert (await status(client, second))["state_files"] == []

@@ -123,7 +123,7 @@ async def test_owner_program_on_the_desktop_engages_the_veto(logind: MockLogind)
         decision = decide(state.gate_input("desk", OwnerScope.HOST, ("ram",), ModelNeed(None)))
         assert isinstance(decision, Refuse)
         assert (decision.reason, decision.retry_after_s) == (Reason.OWNER_ACTIVE, RETRY_OWNER_VETO)
-        assert "ownergame" in decision.detail
+        assert "ownergame" in decision.for_operator
 
 
 async def test_the_veto_releases_when_the_program_exits(logind: MockLogind, tmp_path: Path) -> None:

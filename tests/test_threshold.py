@@ -26,7 +26,7 @@ from vacancyd.collect.threshold import (
     validate_payload,
 )
 from vacancyd.config import PressureConfig
-from vacancyd.persist import write_json
+from vacancyd.persist import StateFileProblems, write_json
 
 
 def _feed(
@@ -283,17 +283,46 @@ def test_a_corrupt_or_foreign_cache_is_reported_and_ignored(
     tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / CALIBRATION_FILE).write_text(content)
-    store = CalibrationStore(tmp_path)
+    (tmp_path / CALIBRATION_FILE).chmod(0o600)
+    problems = StateFileProblems()
+    store = CalibrationStore(tmp_path, problems)
     with caplog.at_level(logging.WARNING):
         store.load()
     assert store.keys == frozenset()
     assert any(r.levelno == logging.WARNING for r in caplog.records)
+    # Visible in /status (the daemon's registry), not only in the log.
+    [problem] = problems.problems
+    assert (problem.path, problem.kind) == (str(tmp_path / CALIBRATION_FILE), "calibration")
+    assert problem.resources == ()
     # And it is replaced cleanly on the next save.
     store.update("gpu0", "GPU-aaaa", _learned(2.0))
     store.save()
     again = CalibrationStore(tmp_path)
     again.load()
     assert again.keys == {"gpu0@GPU-aaaa"}
+
+
+def test_a_cache_behind_a_symlink_is_not_followed_but_reported(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    writer = CalibrationStore(elsewhere)
+    writer.update("gpu0", "GPU-aaaa", _learned(2.0))
+    writer.save()
+    (elsewhere / CALIBRATION_FILE).chmod(0o666)
+    outside = (elsewhere / CALIBRATION_FILE).read_text()
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    (state_dir / CALIBRATION_FILE).symlink_to(elsewhere / CALIBRATION_FILE)
+    problems = StateFileProblems()
+    store = CalibrationStore(state_dir, problems)
+    store.load()
+    assert store.keys == frozenset()
+    [problem] = problems.problems
+    assert "symbolic link" in problem.reason
+    # The next save replaces the link itself and leaves its target alone.
+    store.update("gpu1", "GPU-bbbb", _learned(2.0))
+    store.save()
+    assert not (state_dir / CALIBRATION_FILE).is_symlink()
+    assert (elsewhere / CALIBRATION_FILE).read_text() == outside
 
 
 def test_a_bad_entry_is_dropped_and_the_good_ones_kept(

@@ -91,20 +91,21 @@ async def test_the_upstream_closing_closes_the_borrower_with_its_code(
         assert (closed.value.reason.code, closed.value.reason.reason) == (4001, "bye")
 
 
-async def test_unlisted_sockets_are_denied_unless_management_is_allowed(
+async def test_only_declared_websocket_routes_open_even_with_management_allowed(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
     async with in_process_daemon(config(echo, tmp_path)) as daemon:
         reply = await refused_upgrade(daemon, "/admin/socket")
     assert reply.startswith(b"HTTP/1.1 403") and b"management_denied" in reply
-    assert echo.ws_seen == []
+    # Allowing management reads does not make an undeclared route a WebSocket: a tunnel to
+    # a route that does not switch protocols would carry anything the borrower sends next.
     text = config(echo, tmp_path, extra='management = "allow"')
-    async with (
-        in_process_daemon(text) as daemon,
-        open_websocket_url(ws_url(daemon, "/admin/socket")) as ws,
-    ):
-        await ws.send_message("x")
-        assert await ws.get_message() == "x"
+    async with in_process_daemon(text) as daemon:
+        reply = await refused_upgrade(daemon, "/admin/socket")
+        listed = await refused_upgrade(daemon, "/v1/models")
+    assert reply.startswith(b"HTTP/1.1 400") and b"websocket_not_offered" in reply
+    assert listed.startswith(b"HTTP/1.1 400") and b"websocket_not_offered" in listed
+    assert echo.ws_seen == []
 
 
 async def test_a_refused_work_socket_gets_the_refusal(echo: EchoUpstream, tmp_path: Path) -> None:
@@ -116,19 +117,14 @@ async def test_a_refused_work_socket_gets_the_refusal(echo: EchoUpstream, tmp_pa
 
 
 async def test_tunnels_have_a_cap_and_an_idle_timeout(echo: EchoUpstream, tmp_path: Path) -> None:
-    text = config(
-        echo,
-        tmp_path,
-        extra='management = "allow"',
-        limits="max_websockets = 1\nwebsocket_idle_timeout_s = 1.0",
-    )
+    text = config(echo, tmp_path, limits="max_websockets = 1\nwebsocket_idle_timeout_s = 1.0")
     async with (
         in_process_daemon(text) as daemon,
-        open_websocket_url(ws_url(daemon, "/progress")) as first,
+        open_websocket_url(ws_url(daemon, "/v1/realtime")) as first,
     ):
         await first.send_message("x")
         assert await first.get_message() == "x"
-        second = await refused_upgrade(daemon, "/progress")
+        second = await refused_upgrade(daemon, "/v1/realtime")
         assert second.startswith(b"HTTP/1.1 503") and b"too_many_websockets" in second
         quiet_since = trio.current_time()
         with trio.fail_after(5), pytest.raises(ConnectionClosed):

@@ -30,12 +30,27 @@ from vacancyd.config import ResourceConfig, UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.gate import decide
 from vacancyd.model import RETRY_RESOURCE_BUSY, ModelNeed, Reason, Refuse
-from vacancyd.persist import read_json, write_json
+from vacancyd.persist import (
+    StateFileProblem,
+    UntrustedFile,
+    move_aside,
+    read_json,
+    write_json,
+)
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
 
 HOLDS_KIND = "holds"
+
+# Shown after the reason of a hold restored from an earlier run; never saved with it, so a
+# reason does not grow by one suffix on every restart.
+RESTORED_NOTE = " (restored after restart)"
+
+UNREADABLE_HOLDS_CONSEQUENCE = (
+    "every resource refuses borrowed work until an admin clears it "
+    "(POST /admin/holds/unreadable/clear or `vacancyd release --unreadable-file`)"
+)
 
 # How long an admission waits for the post-release capacity sample it needs.
 POST_RELEASE_WAIT_S = 2.0
@@ -68,6 +83,13 @@ class Reservation:
     job_ids: tuple[str, ...] = ()
     hold_reason: str = ""
     held_since: str = ""
+    # Restored from the holds file at start rather than made in this run.
+    restored: bool = False
+
+    @property
+    def hold_detail(self) -> str:
+        """The reason for a person: says when the hold came from an earlier run."""
+        return self.hold_reason + (RESTORED_NOTE if self.restored else "")
 
 
 @attrs.frozen
@@ -87,6 +109,8 @@ class Ledger:
         self._holders: dict[str, Reservation] = {}
         self._relays: dict[int, RelayHandle] = {}
         self._holds_path = holds_path
+        # A holds file that could not be trusted: every resource refuses until cleared.
+        self._unreadable: StateFileProblem | None = None
         self._released_at: dict[str, float] = {}
         self._reserved_total = 0
         self._released_total = 0
@@ -100,18 +124,10 @@ class Ledger:
         job_ids: tuple[str, ...] = (),
     ) -> Reservation | Refuse:
         """Reserve every resource of a request, or refuse naming the first one in use."""
+        busy = self.busy_refusal(upstream, resources)
+        if busy is not None:
+            return busy
         for name in resources:
-            holder = self._holders.get(name)
-            if holder is not None:
-                self._busy_refusals[upstream] += 1
-                what = (
-                    f"held: {holder.hold_reason}"
-                    if holder.phase == "held"
-                    else f"serving another borrowed job (upstream {holder.upstream})"
-                )
-                return Refuse(
-                    Reason.RESOURCE_BUSY, RETRY_RESOURCE_BUSY, f"{name} is {what}", resource=name
-                )
             if self.awaits_sample(name):
                 self._busy_refusals[upstream] += 1
                 return Refuse(
@@ -132,6 +148,28 @@ class Ledger:
             self._holders[name] = reservation
         self._reserved_total += 1
         return reservation
+
+    def busy_refusal(self, upstream: str, resources: tuple[str, ...]) -> Refuse | None:
+        """The refusal for the first of `resources` another job holds, if any.
+
+        While the holds file cannot be trusted, every resource counts as held.
+        """
+        if self._unreadable is not None and resources:
+            self._busy_refusals[upstream] += 1
+            return _unreadable_refusal(resources[0], self._unreadable)
+        for name in resources:
+            holder = self._holders.get(name)
+            if holder is not None:
+                self._busy_refusals[upstream] += 1
+                what = (
+                    f"held: {holder.hold_detail}"
+                    if holder.phase == "held"
+                    else f"serving another borrowed job (upstream {holder.upstream})"
+                )
+                return Refuse(
+                    Reason.RESOURCE_BUSY, RETRY_RESOURCE_BUSY, f"{name} is {what}", resource=name
+                )
+        return None
 
     def release(self, reservation: Reservation) -> None:
         """End a job; its resources then wait for a fresh capacity sample.
@@ -213,6 +251,13 @@ class Ledger:
     def _save_holds(self) -> None:
         if self._holds_path is None:
             return
+        if self._unreadable is not None:
+            # Never write over the file an admin has not looked at yet: it is evidence.
+            log.error(
+                "not saving durable holds: %s is untrusted until an admin clears it",
+                self._holds_path,
+            )
+            return
         held = [
             {
                 "job_id": r.job_id,
@@ -232,36 +277,92 @@ class Ledger:
             log.error("cannot save durable holds to %s: %s", self._holds_path, exc)
 
     def restore_holds(self, known_resources: set[str]) -> int:
-        """Re-hold what an earlier run could not prove stopped. Returns how many."""
+        """Re-hold what an earlier run could not prove stopped. Returns how many.
+
+        Fails closed: a holds file that is there but cannot be trusted could have named
+        any resource, so every one of `known_resources` refuses until an admin clears it.
+        """
         if self._holds_path is None:
             return 0
-        payload = read_json(self._holds_path, HOLDS_KIND)
-        entries = payload.get("holds") if payload else None
-        if not isinstance(entries, list):
+        try:
+            entries = _saved_holds(self._holds_path, read_json(self._holds_path, HOLDS_KIND))
+        except UntrustedFile as exc:
+            self._refuse_everything(exc.reason, known_resources)
             return 0
         restored = 0
         for entry in entries:
-            problem = _hold_problem(entry, known_resources)
-            if problem:
-                log.warning("ignoring saved hold %r: %s", entry, problem)
+            unknown = [name for name in entry["resources"] if name not in known_resources]
+            if unknown:
+                log.warning(
+                    "ignoring saved hold %r: resources no longer configured: %s",
+                    entry,
+                    ", ".join(unknown),
+                )
                 continue
-            reservation = Reservation(
-                job_id=next(_job_ids),
-                upstream=entry["upstream"],
-                resources=tuple(entry["resources"]),
-                model=entry.get("model"),
-                started_at=trio.current_time(),
-                phase="held",
-                job_ids=tuple(entry.get("job_ids", [])),
-                hold_reason=f"{entry['reason']} (restored after restart)",
-                held_since=str(entry.get("since", "")),
-            )
-            for name in reservation.resources:
-                self._holders[name] = reservation
+            self._hold_restored(entry)
             restored += 1
         if restored:
             self._save_holds()
         return restored
+
+    def _hold_restored(self, entry: dict[str, Any]) -> None:
+        reservation = Reservation(
+            job_id=next(_job_ids),
+            upstream=entry["upstream"],
+            resources=tuple(entry["resources"]),
+            model=entry.get("model"),
+            started_at=trio.current_time(),
+            phase="held",
+            job_ids=tuple(entry.get("job_ids", [])),
+            hold_reason=_without_restored_notes(entry["reason"]),
+            held_since=str(entry.get("since", "")),
+            restored=True,
+        )
+        for name in reservation.resources:
+            self._holders[name] = reservation
+
+    def _refuse_everything(self, reason: str, known_resources: set[str]) -> None:
+        """Record (and log) the untrusted holds file; from now on every resource refuses."""
+        self._unreadable = StateFileProblem(
+            path=str(self._holds_path),
+            kind=HOLDS_KIND,
+            reason=reason,
+            consequence=UNREADABLE_HOLDS_CONSEQUENCE,
+            resources=tuple(sorted(known_resources)),
+        )
+        self._state.state_files.report(self._unreadable)
+        self._state.notify()
+
+    @property
+    def unreadable_holds(self) -> StateFileProblem | None:
+        """The untrusted holds file that makes every resource refuse, if there is one."""
+        return self._unreadable
+
+    def clear_unreadable_holds(self, why: str) -> Path | None:
+        """An admin's word: move the untrusted holds file aside and lend again.
+
+        Returns where the file went (None if there was nothing to clear, or the file was
+        already gone). The holds this run knows of are then saved to a fresh file. Raises
+        OSError, still refusing, when the file cannot be moved.
+        """
+        problem = self._unreadable
+        if problem is None or self._holds_path is None:
+            return None
+        try:
+            moved: Path | None = move_aside(self._holds_path)
+        except FileNotFoundError:
+            moved = None
+        log.warning(
+            "cleared the untrusted holds file %s (%s); %s",
+            problem.path,
+            why,
+            f"it is kept as {moved}" if moved else "it was already gone",
+        )
+        self._unreadable = None
+        self._state.state_files.resolve(problem.path)
+        self._save_holds()
+        self._state.notify()
+        return moved
 
     def awaits_sample(self, resource: str) -> bool:
         released = self._released_at.get(resource)
@@ -343,6 +444,34 @@ class Admission:
         )
         return outcome
 
+    def refusal_before_body(self, upstream: UpstreamConfig) -> Refuse | None:
+        """The refusal any request to this upstream would get now, whatever its body says.
+
+        Asked before a work request's body is read, so a borrower is not made to upload a
+        body (or wait for `100 Continue`) only to be refused. It charges no footprint and
+        does not wait for a post-release sample: it refuses only what `admit` would refuse
+        for every body, and `admit` still decides after the body.
+        """
+        resources = (upstream.resource, *upstream.also_requires)
+        decision = decide(
+            self._state.gate_input(
+                upstream.name, upstream.owner_scope, resources, ModelNeed(model=None)
+            )
+        )
+        refusal = decision if isinstance(decision, Refuse) else None
+        refusal = refusal or self._ledger.busy_refusal(upstream.name, resources)
+        if refusal is not None:
+            # Recorded with the default footprint, as `admit` would: the gate's rules before
+            # the capacity check do not read the footprint, so the inputs explain it as well.
+            question = self._state.gate_input(
+                upstream.name,
+                upstream.owner_scope,
+                resources,
+                need_for(upstream, self._state.resources, None),
+            )
+            self._decisions.record(upstream.name, question, refusal)
+        return refusal
+
     def release(self, reservation: Reservation) -> None:
         self._ledger.release(reservation)
 
@@ -360,7 +489,41 @@ class Admission:
         return self._state.poll_interval_s
 
 
-def _hold_problem(entry: Any, known_resources: set[str]) -> str:
+def _unreadable_refusal(resource: str, problem: StateFileProblem) -> Refuse:
+    """Refuse as a hold does: the file might have named this resource.
+
+    The borrower learns only that the resource is held until an admin acts; the file's
+    path and what is wrong with it are for the operator.
+    """
+    return Refuse(
+        Reason.RESOURCE_BUSY,
+        RETRY_RESOURCE_BUSY,
+        f"{resource} is held: the durable holds file cannot be trusted, so any resource "
+        "may still be in use; an admin must clear it",
+        resource=resource,
+        internal=f"{problem.path} {problem.reason}",
+    )
+
+
+def _saved_holds(path: Path, payload: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The entries of a holds payload; UntrustedFile if any of them is malformed.
+
+    vacancyd writes every entry itself, so one it cannot read means the file is not what
+    it wrote, and a file that is not what it wrote cannot be trusted to list every hold.
+    """
+    if payload is None:
+        return []
+    entries = payload.get("holds")
+    if not isinstance(entries, list):
+        raise UntrustedFile(path, "has no list of holds")
+    for index, entry in enumerate(entries):
+        problem = _hold_problem(entry)
+        if problem:
+            raise UntrustedFile(path, f"has a malformed hold (entry {index}: {problem})")
+    return entries
+
+
+def _hold_problem(entry: Any) -> str:
     if not isinstance(entry, dict):
         return "not a table"
     resources = entry.get("resources")
@@ -370,9 +533,18 @@ def _hold_problem(entry: Any, known_resources: set[str]) -> str:
         or not all(isinstance(name, str) for name in resources)
     ):
         return "no resources"
-    unknown = [name for name in resources if name not in known_resources]
-    if unknown:
-        return f"resources no longer configured: {', '.join(unknown)}"
     if not isinstance(entry.get("upstream"), str) or not isinstance(entry.get("reason"), str):
         return "no upstream or reason"
+    job_ids = entry.get("job_ids", [])
+    if not isinstance(job_ids, list) or not all(isinstance(i, str) for i in job_ids):
+        return "job_ids is not a list of strings"
+    if not isinstance(entry.get("model"), str | None):
+        return "model is not a string"
     return ""
+
+
+def _without_restored_notes(reason: str) -> str:
+    """The reason as first given: earlier versions saved it with one note per restart."""
+    while reason.endswith(RESTORED_NOTE):
+        reason = reason.removesuffix(RESTORED_NOTE)
+    return reason

@@ -11,15 +11,18 @@ import hashlib
 import hmac
 import ipaddress
 import os
-import stat
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
 from vacancyd.config import AuthConfig, Scope, is_loopback_host
 from vacancyd.errors import StartupError
+from vacancyd.persist import UntrustedFile, daemon_uid, read_private_bytes
+
+# A token or credential is a line of text; a larger file is not one, and is not read.
+MAX_TOKEN_FILE_BYTES: Final = 64 * 1024
 
 
 @attrs.frozen
@@ -38,18 +41,27 @@ class _Known:
     scopes: frozenset[Scope]
 
 
-def read_token_file(path: str) -> str:
-    """Read a token file, refusing one that other users could read."""
-    file = Path(path)
+def read_token_file(path: str, where: str, what: str = "token file") -> str:
+    """Read a token (or an upstream credential) file that only a trusted user can change.
+
+    The file is opened without following a symbolic link, must be a regular file owned by
+    root or the daemon's own user, open to no group or other user, and small. `where` is
+    the config key that names the file (`auth.tokens[0].file`), so every refusal reads
+    like a config problem: the key path first, then what is wrong.
+    """
+    uid = daemon_uid()
+    owners = {0} if uid is None else {0, uid}
     try:
-        mode = file.stat().st_mode
-        text = file.read_text("utf-8").strip()
+        raw = read_private_bytes(Path(path), max_bytes=MAX_TOKEN_FILE_BYTES, owners=owners)
+        text = raw.decode("utf-8").strip()
+    except UntrustedFile as exc:
+        raise StartupError(f"{where}: {what} {path} {exc.reason}") from exc
     except OSError as exc:
-        raise StartupError(f"token file {path}: {exc.strerror or exc}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise StartupError(f"token file {path} is readable by other users; chmod 600 it")
+        raise StartupError(f"{where}: {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise StartupError(f"{where}: {what} {path} is not UTF-8 text") from exc
     if not text:
-        raise StartupError(f"token file {path} is empty")
+        raise StartupError(f"{where}: {what} {path} is empty")
     return text
 
 
@@ -58,12 +70,13 @@ class Authenticator:
         self._trust_loopback = config.trust_loopback
         self._open_remote = config.allow_unauthenticated_remote
         self._known: list[_Known] = []
-        for token in config.tokens:
+        for index, token in enumerate(config.tokens):
             if token.sha256 is not None:
                 digest = bytes.fromhex(token.sha256)
             else:
                 assert token.file is not None
-                digest = hashlib.sha256(read_token_file(token.file).encode()).digest()
+                text = read_token_file(token.file, f"auth.tokens[{index}].file")
+                digest = hashlib.sha256(text.encode()).digest()
             self._known.append(_Known(token.name, digest, frozenset(token.scopes)))
         self.counts: Counter[tuple[str, str]] = Counter()
 
@@ -164,10 +177,10 @@ def token_for_cli(config: AuthConfig, scope: Scope) -> str | None:
     from_env = os.environ.get("VACANCYD_TOKEN")
     if from_env:
         return from_env
-    for token in config.tokens:
+    for index, token in enumerate(config.tokens):
         if token.file is not None and scope in token.scopes:
             try:
-                return read_token_file(token.file)
+                return read_token_file(token.file, f"auth.tokens[{index}].file")
             except StartupError:
                 continue
     return None

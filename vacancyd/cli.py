@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         "status": _status,
         "pause": _pause,
         "resume": _resume,
+        "holds": _holds,
+        "release": _release,
     }[args.command]
     return handler(args)
 
@@ -55,15 +57,32 @@ def _parser() -> argparse.ArgumentParser:
         ("status", "show what a running daemon reports"),
         ("pause", "stop lending (new borrowed work is refused)"),
         ("resume", "lend again"),
+        ("holds", "list durable holds, and a holds file the daemon could not trust"),
+        ("release", "end a durable hold, or clear an untrusted holds file"),
     ):
         sub = commands.add_parser(name, help=text)
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--config", metavar="FILE", help="find the API address in this file")
         where.add_argument("--api", metavar="URL", help="the API's base URL")
         sub.add_argument("--token", help="bearer token (default: $VACANCYD_TOKEN or a token file)")
-        if name == "status":
+        if name in ("status", "holds"):
             sub.add_argument("--json", action="store_true", help="print the raw JSON document")
+        if name == "release":
+            _release_arguments(sub)
     return parser
+
+
+def _release_arguments(release: argparse.ArgumentParser) -> None:
+    """`release JOB_ID` ends one hold; `release --unreadable-file` clears the file hold."""
+    what = release.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "job_id", nargs="?", type=int, metavar="JOB_ID", help="the held job (see `holds`)"
+    )
+    what.add_argument(
+        "--unreadable-file",
+        action="store_true",
+        help="clear the hold of a holds file the daemon could not trust (moved aside, kept)",
+    )
 
 
 def _configure_logging(level: str) -> None:
@@ -72,6 +91,11 @@ def _configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # httpx logs every request at INFO with its whole URL, borrowers' query strings
+    # included; those belong in the log only when the operator asks for debugging.
+    quiet = logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(quiet)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -204,6 +228,78 @@ def _resume(args: argparse.Namespace) -> int:
     return _set_lending(args, True)
 
 
+def _holds(args: argparse.Namespace) -> int:
+    """List holds from /status, so the read scope is enough to see why nothing is lent."""
+    target = _api_target(args, Scope.READ)
+    if isinstance(target, int):
+        return target
+    base, token = target
+    response = _call("GET", f"{base}/status", token)
+    if isinstance(response, int):
+        return response
+    if response.status_code != 200:
+        return _explain_failure(response)
+    holds = holds_of(response.json())
+    print(json.dumps(holds, indent=2) if args.json else render_holds(holds))
+    return EXIT_OK
+
+
+def holds_of(document: dict[str, Any]) -> dict[str, Any]:
+    """The durable holds in a status document: held jobs, and an untrusted holds file."""
+    held = [
+        {"upstream": name, **job}
+        for name, upstream in document["upstreams"].items()
+        for job in upstream["active_work"]
+        if job["phase"] == "held"
+    ]
+    unreadable = next((f for f in document.get("state_files", []) if f["kind"] == "holds"), None)
+    return {"jobs": held, "unreadable_file": unreadable}
+
+
+def render_holds(holds: dict[str, Any]) -> str:
+    """The holds for a person: the untrusted file first, since it refuses everything."""
+    lines = []
+    unreadable = holds["unreadable_file"]
+    if unreadable is not None:
+        lines.append(
+            f"holds file {unreadable['path']} {unreadable['reason']}: every resource "
+            f"refuses ({', '.join(unreadable['resources'])}); "
+            "clear it with `vacancyd release --unreadable-file`"
+        )
+    for job in holds["jobs"]:
+        lines.append(
+            f"job {job['job_id']} on {job['upstream']} holds {', '.join(job['resources'])} "
+            f"since {job.get('held_since') or '?'}: {job.get('hold_reason') or ''}"
+        )
+    return "\n".join(lines) or "no durable holds"
+
+
+def _release(args: argparse.Namespace) -> int:
+    """End one hold, or clear an untrusted holds file: an admin's word, nothing else."""
+    target = _api_target(args, Scope.ADMIN)
+    if isinstance(target, int):
+        return target
+    base, token = target
+    path = (
+        "/admin/holds/unreadable/clear"
+        if args.unreadable_file
+        else f"/admin/holds/{args.job_id}/release"
+    )
+    response = _call("POST", f"{base}{path}", token)
+    if isinstance(response, int):
+        return response
+    if response.status_code != 200:
+        return _explain_failure(response)
+    answer = response.json()
+    if args.unreadable_file:
+        moved = answer["moved_to"]
+        kept = f"kept as {moved}" if moved else "it was already gone"
+        print(f"cleared the holds file {answer['cleared']}; {kept}")
+    else:
+        print(f"released job {answer['released']}: {', '.join(answer['resources'])}")
+    return EXIT_OK
+
+
 def render_status(document: dict[str, Any]) -> str:
     """The status document for a person: one line per fact that decides admission."""
     lines = [
@@ -262,6 +358,8 @@ def render_status(document: dict[str, Any]) -> str:
             lines.append("    unseen_gpu_work: admitted work runs but no process of it uses a GPU")
         if "not guaranteed" in upstream.get("memory_recovery", ""):
             lines.append(f"    memory recovery: {upstream['memory_recovery']}")
+    for problem in document.get("state_files", []):
+        lines.append(f"state file {problem['path']} {problem['reason']}: {problem['consequence']}")
     return "\n".join(lines)
 
 

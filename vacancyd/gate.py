@@ -72,19 +72,22 @@ def owner_refusal(presence: PresenceView) -> Refuse | None:
         return Refuse(
             Reason.OWNER_ACTIVE,
             RETRY_PRESENCE_UNSAMPLED,
-            f"owner presence reading is stale{_suffix(presence.detail)}",
+            "owner presence reading is stale",
+            internal=presence.detail,
         )
     if not presence.evidence_complete:
         return Refuse(
             Reason.OWNER_ACTIVE,
             RETRY_SESSION_INCOMPLETE,
-            f"the owner's session cannot be read clearly{_suffix(presence.detail)}",
+            "the owner's session cannot be read clearly",
+            internal=presence.detail,
         )
     if presence.veto_engaged:
         return Refuse(
             Reason.OWNER_ACTIVE,
             RETRY_OWNER_VETO,
-            f"the owner is using this machine{_suffix(presence.detail)}",
+            "the owner is using this machine",
+            internal=presence.detail,
         )
     return None
 
@@ -103,8 +106,9 @@ def resource_refusal(resource: ResourceView) -> Refuse | None:
         return Refuse(
             Reason.RESOURCE_UNMEASURED,
             RETRY_RESOURCE_UNMEASURED,
-            f"capacity of {name} is {resource.quality.value}{_suffix(resource.quality_detail)}",
+            f"capacity of {name} is {resource.quality.value}",
             resource=name,
+            internal=resource.quality_detail,
         )
     if not resource.lendable:
         return Refuse(
@@ -119,15 +123,17 @@ def resource_refusal(resource: ResourceView) -> Refuse | None:
             return Refuse(
                 Reason.RESOURCE_UNMEASURED,
                 RETRY_RESOURCE_UNMEASURED,
-                f"owner load on {name} is {pressure.quality.value}{_suffix(pressure.detail)}",
+                f"owner load on {name} is {pressure.quality.value}",
                 resource=name,
+                internal=pressure.detail,
             )
         if pressure.engaged:
             return Refuse(
                 Reason.RESOURCE_PRESSURED,
                 RETRY_RESOURCE_PRESSURED,
-                f"the owner is loading {name}{_suffix(pressure.detail)}",
+                f"the owner is loading {name}",
                 resource=name,
+                internal=pressure.detail,
             )
     return None
 

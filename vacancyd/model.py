@@ -180,10 +180,20 @@ class Admit:
 
 @attrs.frozen
 class Refuse:
+    """A refusal. `detail` is said to the borrower; `internal` is the evidence behind it
+    that only the operator sees (collector errors, bus errors, the owner's programs),
+    because a borrower has no business knowing the host's internals."""
+
     reason: Reason
     retry_after_s: int
     detail: str
     resource: str | None = None
+    internal: str = ""
+
+    @property
+    def for_operator(self) -> str:
+        """The detail with its evidence, for logs, /status and the decision log."""
+        return f"{self.detail} ({self.internal})" if self.internal else self.detail
 
     @property
     def admitted(self) -> bool:

@@ -34,7 +34,7 @@ from vacancyd.presence.backends import choose_backend
 from vacancyd.presence.loop import run_presence
 from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
-from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_upgrade
+from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_request
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard, serve_app
 from vacancyd.state import SharedState
@@ -166,7 +166,7 @@ async def run_daemon(
                 {u.name: parse_target(u.target) for u in config.upstream},
                 nvml,
                 lambda: {entry.upstream for entry in ledger.statistics().entries},
-                CalibrationStore(state_dir),
+                CalibrationStore(state_dir, state.state_files),
                 deadline_s=config.server.probe_deadline_s,
             )
             await supervisor.start("collector:pressure", pressure.run)
@@ -200,11 +200,17 @@ async def run_daemon(
         reclaims: dict[str, UpstreamReclaim] = {}
         can_unload: dict[str, bool] = {}
         guards: dict[str, ListenerGuard] = {}
-        for upstream in config.upstream:
+        for index, upstream in enumerate(config.upstream):
             adapter = adapter_for(upstream.adapter.value)
             can_unload[upstream.name] = adapter.actions is not None and upstream.yield_on_veto
             credential = (
-                read_token_file(upstream.credential_file) if upstream.credential_file else None
+                read_token_file(
+                    upstream.credential_file,
+                    f"upstream[{index}].credential_file",
+                    "credential file",
+                )
+                if upstream.credential_file
+                else None
             )
             app = ProxyApp(upstream, adapter, admission, auth, limits, client, credential)
             app.background = background
@@ -216,7 +222,7 @@ async def run_daemon(
                 upstream, adapter, app.target, admission, auth, limits, credential
             )
             guards[upstream.name] = ListenerGuard(
-                limits, takeover=tunnels.take_over, wants_takeover=is_websocket_upgrade
+                limits, takeover=tunnels.take_over, wants_takeover=is_websocket_request
             )
             state.listeners[upstream.name] = await supervisor.start(
                 f"proxy:{upstream.name}",

@@ -22,8 +22,19 @@ The header deadline is hypercorn's keep-alive timer, which runs from accept (and
 each response) until a request's headers are complete: it also reaps idle keep-alive
 connections. Body deadlines belong to the app, which knows when a body is owed.
 
-A listener may also take whole connections over before hypercorn sees them: the proxy
-uses that to tunnel WebSocket upgrades byte for byte (see proxy/tunnel.py).
+* request heads were bounded only between reads, so one large write passed whole. Here the
+  end of every head (the first on a connection and each kept-alive one after it) must fall
+  within `max_head_bytes` and the head may carry at most `max_header_count` lines,
+  whatever the read sizes; otherwise 431 and the connection closes.
+* `100 Continue` was sent as soon as the head arrived, before the app had judged the
+  request. Here it is sent only when the app first asks for the body, so a request that
+  will be refused gets its refusal instead.
+
+A listener may also take a connection over once a request head asks for it: the proxy
+uses that to tunnel WebSocket upgrades byte for byte (see proxy/tunnel.py). Any request
+of the connection may ask, the first or a kept-alive one; the head is parsed by h11 like
+every other, so the same limits apply, and the takeover gets the parsed head and exactly
+the bytes that followed it.
 
 This leans on hypercorn internals, which is why hypercorn is pinned to 0.18.0 and each
 gap has a regression test over real sockets in tests/test_serving.py.
@@ -34,16 +45,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import h11
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Body, EndBody
+from hypercorn.protocol.events import Data as StreamData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.task_group import TaskGroup
@@ -63,13 +78,62 @@ from vacancyd.config import HostPort, LimitsConfig
 log = logging.getLogger("vacancyd.http")
 
 MAX_RECV = 2**16
-MAX_HEAD_BYTES = 16 * 1024
 
-# Given the connection, the bytes read so far (a complete request head and whatever
-# followed it) and the peer address, take the connection over entirely.
-Takeover = Callable[[trio.SocketStream, bytes, tuple[str, int] | None], Awaitable[None]]
-# Whether a request head (bytes up to and including the blank line) is one to take over.
-WantsTakeover = Callable[[bytes], bool]
+# Given the connection, the parsed request head, the bytes that followed it and the peer
+# address, take the connection over entirely.
+Takeover = Callable[
+    [trio.SocketStream, h11.Request, bytes, tuple[str, int] | None], Awaitable[None]
+]
+# Whether a parsed request head is one to take over.
+WantsTakeover = Callable[[h11.Request], bool]
+
+# Where h11 finds the end of a head: it accepts bare LF line endings, so this must too.
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
+def head_problem(buffer: bytes, max_bytes: int, max_lines: int) -> str | None:
+    """Why the request head at the start of `buffer` is refused, or None.
+
+    Judged on the bytes waiting to be parsed rather than per read, so one large write is
+    held to the same bound as many small ones. A head still incomplete is judged on what
+    has arrived: already too long, or already too many lines.
+    """
+    buffer = buffer.lstrip(b"\r\n")  # h11 skips blank lines between requests
+    end = _HEAD_END.search(buffer, 0, max_bytes + 2)
+    if end is None and len(buffer) > max_bytes:
+        return f"the request head exceeds {max_bytes} bytes"
+    # Every line of the head up to its last newline: the request line, then one a header.
+    lines = buffer[: end.start() + 1 if end is not None else max_bytes].count(b"\n")
+    if lines - 1 > max_lines:
+        return f"the request head has more than {max_lines} header lines"
+    return None
+
+
+def _too_large_response(message: str) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "type": "invalid_request_error",
+                "code": "request_header_fields_too_large",
+                "message": message,
+            }
+        }
+    ).encode()
+    return (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        b"content-type: application/json\r\n"
+        b"connection: close\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+class TakeOver(Exception):
+    """Raised out of the protocol when a request head asks for the connection itself."""
+
+    def __init__(self, request: h11.Request, rest: bytes) -> None:
+        super().__init__("connection takeover")
+        self.request = request
+        self.rest = rest
 
 
 class ListenerGuard:
@@ -88,6 +152,7 @@ class ListenerGuard:
         self.open_connections = 0
         self.refused_over_cap = 0
         self.write_stalls = 0
+        self.heads_refused = 0
 
     def try_admit(self) -> bool:
         if self.open_connections >= self.limits.max_connections:
@@ -100,11 +165,122 @@ class ListenerGuard:
         self.open_connections -= 1
 
 
-class _NoH2CProtocol(H11Protocol):
-    """HTTP/1.1 that never switches to HTTP/2: h2c is not offered on these listeners."""
+class _FrontDoorProtocol(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol with the head bounds, the lazy `100 Continue` and the
+    takeover of this module's docstring, and h2c never offered.
+
+    `_handle_events` is hypercorn 0.18's loop with three changes: the waiting head is
+    judged before h11 parses it, `100 Continue` is left to `send_continue`, and a head the
+    guard wants is raised as `TakeOver` to the connection's read loop.
+    """
+
+    guard: ListenerGuard
 
     async def _check_protocol(self, event: Any) -> None:
         return None
+
+    async def send_continue(self) -> None:
+        """Tell a client waiting on `Expect: 100-continue` to send its body (the app has
+        asked for it, so the request was not refused before its body)."""
+        connection = self.connection
+        if isinstance(connection, h11.Connection) and connection.they_are_waiting_for_100_continue:
+            await self._send_h11_event(
+                h11.InformationalResponse(
+                    status_code=100, headers=self.config.response_headers("h11")
+                )
+            )
+
+    async def _handle_events(self) -> None:
+        limits = self.guard.limits
+        while True:
+            connection = self.connection
+            if isinstance(connection, h11.Connection) and connection.their_state is h11.IDLE:
+                problem = head_problem(
+                    connection.trailing_data[0], limits.max_head_bytes, limits.max_header_count
+                )
+                if problem is not None:
+                    self.guard.heads_refused += 1
+                    await self.send(RawData(data=_too_large_response(problem)))
+                    await self.send(Closed())
+                    break
+            try:
+                event = connection.next_event()
+            except h11.RemoteProtocolError as error:
+                if connection.our_state in {h11.IDLE, h11.SEND_RESPONSE}:
+                    await self._send_error_response(error.error_status_hint)
+                await self.send(Closed())
+                break
+            if isinstance(event, h11.Request):
+                await self.send(Updated(idle=False))
+                wants = self.guard.wants_takeover
+                if self.guard.takeover is not None and wants is not None and wants(event):
+                    raise TakeOver(event, connection.trailing_data[0])
+                await self._create_stream(event)
+            elif event is h11.PAUSED:
+                await self.can_read.clear()
+                await self.can_read.wait()
+            elif (
+                isinstance(event, h11.ConnectionClosed)
+                or event is h11.NEED_DATA
+                or self.stream is None
+            ):
+                break
+            elif isinstance(event, h11.Data):
+                await self.stream.handle(Body(stream_id=1, data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                await self.stream.handle(EndBody(stream_id=1))
+            elif isinstance(event, StreamData):
+                await self.stream.handle(event)  # hypercorn's own WebSockets (the API)
+
+
+class StreamCut(Exception):
+    """Raise from an app to break a response on purpose (the upstream broke, reclaim cut
+    the job): the connection is aborted so the client cannot mistake the end for a clean
+    one. The app has already said why in one log line; the server adds no traceback."""
+
+
+class _ConnectionApp:
+    """The app as one connection runs it: a request that expects `100 Continue` gets it
+    when the app first reads its body, not before; a `StreamCut` aborts the response
+    quietly."""
+
+    def __init__(self, app: Any, protocol: _FrontDoorProtocol) -> None:
+        self._app = app
+        self._protocol = protocol
+
+    async def __call__(
+        self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any
+    ) -> None:
+        if scope.get("type") == "http" and _expects_continue(scope.get("headers", ())):
+            receive = self._continuing(receive)
+        try:
+            await self._app(scope, receive, send, sync_spawn, call_soon)
+        except StreamCut:
+            pass  # hypercorn closes the unfinished response when the app returns
+        except BaseExceptionGroup as group:
+            _, others = group.split(StreamCut)
+            if others is not None:
+                raise
+
+    def _continuing(self, receive: Any) -> Any:
+        asked = False
+
+        async def receive_after_continue() -> Any:
+            nonlocal asked
+            if not asked:
+                asked = True
+                with trio.CancelScope(shield=True):
+                    await self._protocol.send_continue()
+            return await receive()
+
+        return receive_after_continue
+
+
+def _expects_continue(headers: Any) -> bool:
+    return any(
+        name.lower() == b"expect" and value.strip().lower() == b"100-continue"
+        for name, value in headers
+    )
 
 
 _OVER_CAP_BODY = json.dumps(
@@ -185,7 +361,7 @@ class HardenedTCPServer(TCPServer):
                     "http/1.1",
                 )
                 wrapper = self.protocol
-                wrapper.protocol = _NoH2CProtocol(
+                protocol = _FrontDoorProtocol(
                     wrapper.app,
                     wrapper.config,
                     wrapper.context,
@@ -196,6 +372,9 @@ class HardenedTCPServer(TCPServer):
                     wrapper.server,
                     wrapper.send,
                 )
+                protocol.guard = self._guard
+                protocol.app = _ConnectionApp(wrapper.app, protocol)
+                wrapper.protocol = protocol
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data_with_takeover(client)
@@ -247,36 +426,25 @@ class HardenedTCPServer(TCPServer):
             await self.protocol.handle(Closed())
 
     async def _read_data_with_takeover(self, client: tuple[str, int] | None) -> None:
-        guard = self._guard
-        if guard.takeover is not None and guard.wants_takeover is not None:
-            head = await self._read_first_head()
-            if head is None:
-                await self._end_of_input()
-                return
-            if guard.wants_takeover(head):
-                await self.idle_task.stop()
-                try:
-                    await guard.takeover(self.stream, head, client)  # type: ignore[arg-type]
-                except Exception:
-                    # One connection's failure must never reach the listener's nursery:
-                    # that would take the listener, and so the daemon, down with it.
-                    log.exception("connection takeover failed")
-                return
-            await self.protocol.handle(RawData(head))
-        await self._read_data()
+        try:
+            await self._read_data()
+        except TakeOver as takeover:
+            await self._take_over(takeover, client)
 
-    async def _read_first_head(self) -> bytes | None:
-        """Read until the first request head is complete (the idle timer bounds this)."""
-        buffer = b""
-        while b"\r\n\r\n" not in buffer and len(buffer) < MAX_HEAD_BYTES:
-            try:
-                data = await self.stream.receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return None
-            if not data:
-                return buffer or None
-            buffer += data
-        return buffer
+    async def _take_over(self, takeover: TakeOver, client: tuple[str, int] | None) -> None:
+        assert self._guard.takeover is not None
+        await self.idle_task.stop()
+        try:
+            await self._guard.takeover(
+                self.stream,  # type: ignore[arg-type]
+                takeover.request,
+                takeover.rest,
+                client,
+            )
+        except Exception:
+            # One connection's failure must never reach the listener's nursery: that
+            # would take the listener, and so the daemon, down with it.
+            log.exception("connection takeover failed")
 
     async def _read_data(self) -> None:
         while True:

@@ -29,6 +29,7 @@ from vacancyd.model import (
     ResourceView,
     SessionState,
 )
+from vacancyd.persist import StateFileProblems
 
 MIN_FRESHNESS_S = 15.0
 MAX_EDGES_KEPT = 256
@@ -129,6 +130,8 @@ class SharedState:
         self.all_listeners_bound = False
         # One line per collector for /status, e.g. "nvml": "NVML not loadable: ...".
         self.collector_notes: dict[str, str] = {}
+        # State files that were there but could not be trusted (vacancyd/persist.py).
+        self.state_files = StateFileProblems()
         self._observations: dict[str, Observation] = {}
         # Why a collector could not read a resource, and when it said so.
         self._unavailable: dict[str, tuple[str, float]] = {}

@@ -48,8 +48,10 @@ def one_upstream_config(
     upstream_extra: str = "",
     head: str = "",
     poll_interval_s: float | None = 0.5,
+    adapter: str = "openai",
 ) -> str:
-    """A headless daemon with one memory resource and one openai upstream named "echo".
+    """A headless daemon with one memory resource and one upstream named "echo" (openai
+    unless `adapter` names another).
 
     Listeners use port 0; `limits` goes under [server.limits], `upstream_extra` into the
     [[upstream]] table, `head` before everything (for top-level tables such as [auth]).
@@ -70,7 +72,7 @@ name = "ram"
 kind = "memory"
 [[upstream]]
 name = "echo"
-adapter = "openai"
+adapter = "{adapter}"
 listen = "127.0.0.1:0"
 target = "{target}"
 resource = "ram"

@@ -34,6 +34,8 @@ class Route:
     route_class: RouteClass
     # Whether the body must be JSON (read for the model name). Multipart routes say False.
     json_body: bool = True
+    # Whether the route is a WebSocket: only these may be upgraded, and only with an upgrade.
+    websocket: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         return method in self.methods and _pattern(self.path).fullmatch(path) is not None
@@ -59,6 +61,12 @@ def work(*paths: str, json_body: bool = True) -> list[Route]:
 
 def reads(route_class: RouteClass, *paths: str) -> list[Route]:
     return [Route(frozenset({"GET", "HEAD"}), p, route_class, False) for p in paths]
+
+
+def websockets(route_class: RouteClass, *paths: str) -> list[Route]:
+    """WebSocket routes: opened with a GET upgrade, and tunnelled only if the upstream
+    answers it with 101."""
+    return [Route(frozenset({"GET"}), p, route_class, False, websocket=True) for p in paths]
 
 
 @attrs.frozen

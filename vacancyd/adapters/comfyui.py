@@ -24,7 +24,15 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from vacancyd.adapters.base import Adapter, Route, RouteClass, WorkFacts, reads, work
+from vacancyd.adapters.base import (
+    Adapter,
+    Route,
+    RouteClass,
+    WorkFacts,
+    reads,
+    websockets,
+    work,
+)
 from vacancyd.adapters.comfyui_actions import ComfyUIActions
 
 
@@ -53,8 +61,10 @@ _ROUTES: tuple[Route, ...] = (
     ),
     *reads(
         RouteClass.RESULTS,
-        *_both("/history/{prompt_id}", "/view", "/ws", "/api/jobs/{job_id}"),
+        *_both("/history/{prompt_id}", "/view", "/api/jobs/{job_id}"),
     ),
+    # Progress events for the borrower's own prompts (picked by its clientId).
+    *websockets(RouteClass.RESULTS, *_both("/ws")),
     *reads(
         RouteClass.MANAGEMENT,
         *_both(

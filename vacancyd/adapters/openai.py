@@ -20,7 +20,9 @@ OPENAI_WORK = [
 ]
 OPENAI_READS = reads(RouteClass.PASS, "/v1/models", "/v1/models/{model}")
 # The Realtime API is inference over a WebSocket: a gated work socket, held while open.
-OPENAI_REALTIME = Route(frozenset({"GET"}), "/v1/realtime", RouteClass.WORK, json_body=False)
+OPENAI_REALTIME = Route(
+    frozenset({"GET"}), "/v1/realtime", RouteClass.WORK, json_body=False, websocket=True
+)
 
 
 def refuse_background_response(path: str, body: Mapping[str, Any]) -> str | None:

@@ -129,6 +129,27 @@ def create_api_app(
             return _error(404, "unknown_hold", f"no durable hold for job {job_id}")
         return _json({"released": job_id, "resources": list(released.resources)})
 
+    @app.post("/admin/holds/unreadable/clear")
+    async def admin_clear_unreadable_holds() -> Response:
+        refusal = denied(Scope.ADMIN)
+        if refusal is not None:
+            return refusal
+        problem = ledger.unreadable_holds
+        if problem is None:
+            return _error(404, "no_unreadable_holds", "the durable holds file is not refused")
+        try:
+            moved = ledger.clear_unreadable_holds("cleared by an admin")
+        except OSError as exc:
+            message = f"cannot move {problem.path} aside: {exc.strerror or exc}"
+            return _error(500, "cannot_clear", message)
+        return _json(
+            {
+                "cleared": problem.path,
+                "moved_to": None if moved is None else str(moved),
+                "resources": list(problem.resources),
+            }
+        )
+
     @app.get("/")
     async def console() -> Response:
         page = resources.files("vacancyd.api").joinpath("console/index.html").read_bytes()

@@ -51,6 +51,19 @@ class VacancydCollector(Collector):
         yield from self._resources(now)
         yield from self._upstreams()
         yield from self._reclaim_families()
+        yield self._state_files()
+
+    def _state_files(self) -> Metric:
+        """Untrusted state files by kind: an alert on `holds` means nothing is lent."""
+        counts = {"holds": 0, "calibration": 0}
+        for problem in self._state.state_files.problems:
+            counts[problem.kind] = counts.get(problem.kind, 0) + 1
+        return _gauge(
+            "vacancyd_state_file_problems",
+            "State files present but not trusted (reported in /status state_files)",
+            [((kind,), count) for kind, count in sorted(counts.items())],
+            ["kind"],
+        )
 
     def _presence(self, now: float) -> Iterator[Metric]:
         state = self._state

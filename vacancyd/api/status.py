@@ -17,6 +17,7 @@ from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
 from vacancyd.gate import owner_refusal, resource_refusal
 from vacancyd.model import OwnerScope, Quality, Refuse, ResourceKind
+from vacancyd.persist import StateFileProblem
 from vacancyd.reclaim import ReclaimRecord, UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
@@ -111,6 +112,19 @@ def status_document(
             "connections": _connections(guards.get("api")),
         },
         "collectors": dict(state.collector_notes),
+        "state_files": [_state_file(problem) for problem in state.state_files.problems],
+    }
+
+
+def _state_file(problem: StateFileProblem) -> dict[str, Any]:
+    """One state file that was there but not trusted, and what vacancyd does about it."""
+    return {
+        "path": problem.path,
+        "kind": problem.kind,
+        "reason": problem.reason,
+        "consequence": problem.consequence,
+        "resources": list(problem.resources),
+        "found_at": problem.found_at,
     }
 
 
@@ -175,7 +189,7 @@ def _presence(state: SharedState, now: float) -> dict[str, Any]:
         "age_s": _round(now - reading.taken_at) if reading else None,
         "detail": view.detail,
         "refuses": refusal.reason.value if refusal else None,
-        "refusal_detail": refusal.detail if refusal else None,
+        "refusal_detail": refusal.for_operator if refusal else None,
     }
 
 
@@ -198,7 +212,7 @@ def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict
         "reserved_by": holder.job_id if holder else None,
         "awaiting_sample": ledger.awaits_sample(name),
         "refuses": refusal.reason.value if refusal else None,
-        "refusal_detail": refusal.detail if refusal else None,
+        "refusal_detail": refusal.for_operator if refusal else None,
     }
     if observation is not None:
         if config.kind.has_bytes:
@@ -216,7 +230,7 @@ def _reservation(reservation: Reservation, now: float) -> dict[str, Any]:
         "resources": list(reservation.resources),
         "running_s": _round(now - reservation.started_at),
         "job_ids": list(reservation.job_ids),
-        "hold_reason": reservation.hold_reason or None,
+        "hold_reason": reservation.hold_detail or None,
         "held_since": reservation.held_since or None,
     }
 
@@ -240,6 +254,6 @@ def _record(record: DecisionRecord | None, now: float) -> dict[str, Any] | None:
         "admitted": not isinstance(decision, Refuse),
         "reason": decision.reason.value if isinstance(decision, Refuse) else None,
         "retry_after_s": decision.retry_after_s if isinstance(decision, Refuse) else None,
-        "detail": decision.detail,
+        "detail": decision.for_operator if isinstance(decision, Refuse) else decision.detail,
         "inputs": _plain.unstructure(record.question) if record.question else None,
     }

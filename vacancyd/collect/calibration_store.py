@@ -11,8 +11,10 @@ device, starts learning afresh instead of inheriting a threshold learned on diff
 hardware. Entries of cards not in use today are kept (up to a bound), so moving a card
 back and forth does not lose what was learned.
 
-Nothing read back is trusted: a corrupt or foreign file is reported by persist and
-ignored; an entry that fails validation is reported here and ignored.
+Nothing read back is trusted: a file persist refuses (a symbolic link, another owner's,
+too large, corrupt or foreign) is ignored and reported, in the log and through the
+daemon's state-file problems in /status, so a reset calibration is never silent; an entry
+that fails validation is reported here and ignored.
 """
 
 from __future__ import annotations
@@ -23,13 +25,22 @@ from pathlib import Path
 from typing import Any, Final
 
 from vacancyd.collect.threshold import LearnedThreshold, validate_payload
-from vacancyd.persist import read_json, write_json
+from vacancyd.persist import (
+    StateFileProblem,
+    StateFileProblems,
+    UntrustedFile,
+    read_json,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_FILE: Final = "calibration.json"
 CALIBRATION_KIND: Final = "calibration"
 MAX_ENTRIES: Final = 32
+UNTRUSTED_CONSEQUENCE: Final = (
+    "learned pressure thresholds start from nothing; the file is replaced at the next save"
+)
 
 
 def calibration_key(resource: str, device_identity: str) -> str:
@@ -40,19 +51,22 @@ def calibration_key(resource: str, device_identity: str) -> str:
 class CalibrationStore:
     """Loads, holds and saves the learned thresholds of all GPUs (blocking file I/O)."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, problems: StateFileProblems | None = None) -> None:
         self.path = Path(state_dir) / CALIBRATION_FILE
         self._entries: dict[str, dict[str, Any]] = {}
+        self._problems = problems if problems is not None else StateFileProblems()
 
     def load(self) -> None:
-        """Read the file; whatever cannot be trusted is logged and left out."""
+        """Read the file; whatever cannot be trusted is reported and left out."""
         self._entries = {}
-        payload = read_json(self.path, CALIBRATION_KIND)
-        if payload is None:
-            return
-        gpus = payload.get("gpus")
-        if not isinstance(gpus, dict):
-            log.warning("calibration cache %s has no table of GPUs; ignoring it", self.path)
+        try:
+            gpus = self._read_gpus()
+        except UntrustedFile as exc:
+            self._problems.report(
+                StateFileProblem(
+                    str(self.path), CALIBRATION_KIND, exc.reason, UNTRUSTED_CONSEQUENCE
+                )
+            )
             return
         for key, entry in gpus.items():
             problem = _entry_problem(key, entry)
@@ -60,6 +74,16 @@ class CalibrationStore:
                 log.warning("calibration cache %s: ignoring entry %r: %s", self.path, key, problem)
                 continue
             self._entries[key] = entry
+
+    def _read_gpus(self) -> dict[str, Any]:
+        """The saved table of GPUs; empty with no file, UntrustedFile when it is unusable."""
+        payload = read_json(self.path, CALIBRATION_KIND)
+        if payload is None:
+            return {}
+        gpus = payload.get("gpus")
+        if not isinstance(gpus, dict):
+            raise UntrustedFile(self.path, "has no table of GPUs")
+        return gpus
 
     def saved(self, resource: str, device_identity: str) -> dict[str, Any] | None:
         """The saved calibration of this GPU, if the file held a trustworthy one.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 import tomllib
 from collections.abc import Iterator
 from importlib import resources
@@ -31,35 +32,51 @@ from vacancyd.model import ResourceKind
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
+def _make_repr() -> reprlib.Repr:
+    shown = reprlib.Repr()
+    shown.maxlevel = 3
+    shown.maxlist = shown.maxdict = shown.maxtuple = shown.maxset = 6
+    shown.maxstring = shown.maxother = shown.maxlong = 80
+    return shown
+
+
+_REPR = _make_repr()
+
+
+def _shown(value: Any) -> str:
+    """A value as quoted in a problem line: short and bounded, however big or deep it is."""
+    return _REPR.repr(value)
+
+
 def _strict_int(value: Any, _: type) -> int:
     if type(value) is not int:
-        raise ValueError(f"expected an integer, got {value!r}")
+        raise ValueError(f"expected an integer, got {_shown(value)}")
     return value
 
 
 def _strict_float(value: Any, _: type) -> float:
     # TOML writes 30 and 30.0 differently; both are fine where a float is wanted.
     if type(value) not in (int, float):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise ValueError(f"expected a number, got {_shown(value)}")
     return float(value)
 
 
 def _strict_bool(value: Any, _: type) -> bool:
     if type(value) is not bool:
-        raise ValueError(f"expected true or false, got {value!r}")
+        raise ValueError(f"expected true or false, got {_shown(value)}")
     return bool(value)
 
 
 def _strict_str(value: Any, _: type) -> str:
     if type(value) is not str:
-        raise ValueError(f"expected a string, got {value!r}")
+        raise ValueError(f"expected a string, got {_shown(value)}")
     return str(value)
 
 
 def _device(value: Any, _: type) -> int | str | None:
     if value is None or type(value) in (int, str):
         return value  # type: ignore[no-any-return]
-    raise ValueError(f"expected an index or an identity string, got {value!r}")
+    raise ValueError(f"expected an index or an identity string, got {_shown(value)}")
 
 
 def _shape_checked(expected: type, name: str, inner: Any) -> Any:
@@ -71,7 +88,7 @@ def _shape_checked(expected: type, name: str, inner: Any) -> Any:
 
     def hook(value: Any, type_: Any) -> Any:
         if not isinstance(value, expected):
-            raise ValueError(f"expected {name}, got {value!r}")  # noqa: TRY004 - cattrs reports ValueErrors by message
+            raise ValueError(f"expected {name}, got {_shown(value)}")  # noqa: TRY004 - cattrs reports ValueErrors by message
         return inner(value, type_)
 
     return hook
@@ -139,10 +156,39 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text: {exc}"]) from exc
+    except MemoryError as exc:
+        raise ConfigError([f"{path}: too large to read (out of memory)"]) from exc
     return parse_config(text, source=str(path))
 
 
 def parse_config(text: str, *, source: str = "<config>") -> Config:
+    """Parse, structure and check a config; every failure is a ConfigError, never a crash.
+
+    Whatever the file holds, the caller gets problem lines: a parser or converter that
+    runs out of stack (TOML nested thousands deep), out of memory, or fails in a way the
+    schema did not foresee is reported as a problem with the file, not a traceback.
+    """
+    try:
+        config, problems = _parse(text, source)
+    except ConfigError:
+        raise
+    except RecursionError as exc:
+        raise ConfigError(
+            [f"{source}: nested too deeply to read (over the parser's recursion limit)"]
+        ) from exc
+    except MemoryError as exc:
+        raise ConfigError([f"{source}: too large to read (out of memory)"]) from exc
+    except Exception as exc:
+        # Shortened: an exception may quote the input, and a problem is one line.
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        raise ConfigError([f"{source}: cannot be read: {why}"]) from exc
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _parse(text: str, source: str) -> tuple[Config, list[str]]:
+    """TOML to the schema, then the value and cross-field problems of the result."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -152,10 +198,7 @@ def parse_config(text: str, *, source: str = "<config>") -> Config:
     except (ClassValidationError, IterableValidationError) as exc:
         messages = [_key_path(m) for m in transform_error(exc, format_exception=_format_leaf)]
         raise ConfigError(messages) from exc
-    problems = list(_range_problems(config, "")) + list(_cross_field_problems(config))
-    if problems:
-        raise ConfigError(problems)
-    return config
+    return config, list(_range_problems(config, "")) + list(_cross_field_problems(config))
 
 
 def _range_problems(value: Any, path: str) -> Iterator[str]:

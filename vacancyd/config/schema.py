@@ -70,6 +70,10 @@ class LimitsConfig:
     # None: 256 MiB, or max_request_body_mib if that is larger.
     max_buffered_body_mib: int | None = attrs.field(default=None, metadata=_gt(0))
     header_timeout_s: float = attrs.field(default=10.0, metadata=_gt(0))
+    # A request head (request line and headers) must end within this many bytes and carry
+    # at most this many header lines, however its bytes arrive; over either: 431.
+    max_head_bytes: int = attrs.field(default=16384, metadata=_ge(1024))
+    max_header_count: int = attrs.field(default=100, metadata=_ge(8))
     body_read_timeout_s: float = attrs.field(default=120.0, metadata=_gt(0))
     body_idle_timeout_s: float = attrs.field(default=30.0, metadata=_gt(0))
     write_stall_timeout_s: float = attrs.field(default=60.0, metadata=_gt(0))

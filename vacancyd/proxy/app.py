@@ -19,18 +19,26 @@ from typing import Any
 
 import trio
 
-from vacancyd.adapters import Adapter, Classification, RouteClass, WorkFacts
+from vacancyd.adapters import Adapter, Classification, WorkFacts
 from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Admission, Reservation
 from vacancyd.auth import Authenticator
-from vacancyd.config import LimitsConfig, Management, UpstreamConfig, parse_target
+from vacancyd.config import LimitsConfig, UpstreamConfig, parse_target
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import MIB, Refuse
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
 from vacancyd.proxy.forward import DisconnectWatch, Relay, open_upstream
-from vacancyd.proxy.headers import header_value, is_cross_origin, request_headers
+from vacancyd.proxy.headers import header_value, request_headers
+from vacancyd.proxy.policy import (
+    Refusal,
+    RequestHead,
+    asks_for_websocket,
+    front_door,
+    is_chunked,
+)
 from vacancyd.proxy.replies import send_error, send_refusal
 from vacancyd.proxy.tracking import track_job
+from vacancyd.serving import StreamCut
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +72,8 @@ class ProxyApp:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "websocket":
-            # Upgrades are tunnelled before the HTTP server parses them, but only as the
-            # first request of a connection; one arriving later on a kept-alive connection
-            # is refused (WebSocket clients always open a fresh connection).
+            # The listener hands every upgrade to the tunnel before hypercorn could make it
+            # a WebSocket scope; should one arrive anyway, it is refused.
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "lifespan":
             await _lifespan(receive, send)
@@ -74,53 +81,25 @@ class ProxyApp:
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         method: str = scope["method"]
-        verdict = self._auth.check_borrower(headers, scope.get("client"))
-        if not verdict.allowed:
-            await send_error(send, verdict.status, verdict.code, verdict.message)
-            return
-        if header_value(headers, b"content-length") is not None and _is_chunked(headers):
-            await send_error(
-                send, 400, "ambiguous_framing", "Content-Length together with chunked encoding"
-            )
-            return
-        if b"origin" in self.adapter.drop_request_headers and is_cross_origin(headers):
-            # This upstream trusts that browsers cannot reach it from other sites, and the
-            # proxy must drop Origin for it (it rewrites Host), so it checks here instead.
-            await send_error(
-                send, 403, "cross_origin_refused", "requests from another site's page are refused"
-            )
-            return
-        found = self.adapter.classify(method, scope["raw_path"], scope["query_string"])
-        match found.route_class:
-            case RouteClass.WORK:
-                await self._work(found, scope, receive, send)
-            case RouteClass.PASS | RouteClass.RESULTS:
-                await self._pass(found, scope, receive, send)
-            case RouteClass.MANAGEMENT | RouteClass.UNKNOWN if method in ("GET", "HEAD"):
-                if self.upstream.management is Management.ALLOW and found.path:
-                    await self._pass(found, scope, receive, send)
-                else:
-                    await self._deny_management(found, send)
-            case _:
-                await send_error(
-                    send,
-                    501,
-                    "route_not_recognised",
-                    f"{method} {found.path or '?'} is not a route the {self.adapter.name} "
-                    f"adapter recognises, so it is not forwarded; if the upstream really has "
-                    "it, report the route and the upstream's version to the vacancyd maintainers",
-                )
-
-    async def _deny_management(self, found: Classification, send: Any) -> None:
-        reads = self.adapter.listed_reads()
-        await send_error(
-            send,
-            403,
-            "management_denied",
-            f"{found.path or 'this path'} is not a read a borrower may make "
-            f"({found.why or 'a management read'}); borrowers may read: {', '.join(reads)}",
-            allowed_reads=reads,
+        head = RequestHead(
+            method,
+            scope["raw_path"],
+            scope["query_string"],
+            headers,
+            websocket=asks_for_websocket(method, headers),
         )
+        verdict = self._auth.check_borrower(headers, scope.get("client"))
+        decision = front_door(head, self.adapter, self.upstream.management, verdict)
+        if isinstance(decision, Refusal):
+            extra: dict[str, Any] = {}
+            if decision.allowed_reads is not None:
+                extra["allowed_reads"] = list(decision.allowed_reads)
+            await send_error(send, decision.status, decision.code, decision.message, **extra)
+            return
+        if decision.gated:
+            await self._work(decision.found, scope, receive, send)
+        else:
+            await self._pass(decision.found, scope, receive, send)
 
     async def _pass(
         self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
@@ -133,9 +112,26 @@ class ProxyApp:
     async def _work(
         self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
     ) -> None:
+        # Judge what can be judged without the body first: a request that will be refused
+        # anyway is refused before its body is read (and before `100 Continue`).
+        early = self._admission.refusal_before_body(self.upstream)
+        if early is not None:
+            self._log_refusal(scope, found, early)
+            await send_refusal(send, early, close=_has_body(scope["headers"]))
+            return
         async with self._buffered_body(scope, receive, send) as body:
             if body is not None:
                 await self._admit_and_forward(found, scope, receive, send, body)
+
+    def _log_refusal(self, scope: dict[str, Any], found: Classification, refusal: Refuse) -> None:
+        log.info(
+            "refused %s %s on %s: %s (%s)",
+            scope["method"],
+            found.path,
+            self.upstream.name,
+            refusal.reason.value,
+            refusal.for_operator,
+        )
 
     async def _admit_and_forward(
         self, found: Classification, scope: dict[str, Any], receive: Any, send: Any, body: bytes
@@ -155,14 +151,7 @@ class ProxyApp:
                 body = json.dumps(facts.replacement).encode()
         outcome = await self._admission.admit(self.upstream, facts.model, facts.job_ids)
         if isinstance(outcome, Refuse):
-            log.info(
-                "refused %s %s on %s: %s (%s)",
-                scope["method"],
-                found.path,
-                self.upstream.name,
-                outcome.reason.value,
-                outcome.detail,
-            )
+            self._log_refusal(scope, found, outcome)
             await send_refusal(send, outcome)
             return
         status: int | None = None
@@ -205,7 +194,7 @@ class ProxyApp:
         headers = scope["headers"]
         declared = header_value(headers, b"content-length")
         declared_size = int(declared) if declared is not None and declared.isdigit() else None
-        if declared_size == 0 or (declared_size is None and not _is_chunked(headers)):
+        if declared_size == 0 or (declared_size is None and not is_chunked(headers)):
             yield b""
             return
         if declared_size is not None and declared_size > self._max_body:
@@ -298,7 +287,7 @@ class ProxyApp:
                     log.warning("upstream %s unavailable: %s", self.upstream.name, exc)
                     watch.finishing = True
                     await send_error(
-                        send, 502, "upstream_unavailable", f"the upstream did not answer: {exc}"
+                        send, 502, "upstream_unavailable", "the upstream did not answer"
                     )
                     nursery.cancel_scope.cancel()
                     return None
@@ -353,13 +342,14 @@ class ProxyApp:
         scope: dict[str, Any],
         found: Classification,
     ) -> None:
-        log.info(
+        log.log(
+            logging.WARNING if started else logging.INFO,
             "reclaim cut %s %s on %s %s: %s",
             scope["method"],
             found.path,
             self.upstream.name,
             "mid-stream" if started else "before its answer",
-            refusal.detail,
+            refusal.for_operator,
         )
         if not started:
             await send_refusal(send, refusal)
@@ -367,13 +357,13 @@ class ProxyApp:
         raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
 
 
-class UpstreamStreamBroken(Exception):
+class UpstreamStreamBroken(StreamCut):
     """Raised into the server so it aborts the client connection mid-response."""
 
 
-def _is_chunked(headers: list[tuple[bytes, bytes]]) -> bool:
-    value = header_value(headers, b"transfer-encoding")
-    return value is not None and b"chunked" in value.lower()
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    declared = header_value(headers, b"content-length")
+    return is_chunked(headers) or (declared is not None and declared.strip() not in (b"", b"0"))
 
 
 def _parse_json_object(body: bytes) -> Mapping[str, Any] | str:

@@ -69,8 +69,9 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes
     return [(name.lower(), value) for name, value in materialised if _crosses(name, named)]
 
 
-def is_cross_origin(headers: list[tuple[bytes, bytes]]) -> bool:
+def is_cross_origin(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """A browser request whose Origin is not the host it was sent to (a cross-site page)."""
+    headers = list(headers)
     origin = header_value(headers, b"origin")
     if origin is None or origin == b"null":
         return origin == b"null"

@@ -36,12 +36,13 @@ def error_payload(error_type: str, code: str, message: str, **extra: Any) -> dic
     return {"error": {"type": error_type, "code": code, "message": message, **extra}}
 
 
-async def send_refusal(send: Send, refusal: Refuse) -> None:
+async def send_refusal(send: Send, refusal: Refuse, *, close: bool = False) -> None:
+    """A 503 the gateway can fail over on; `close` when a request body was left unread."""
+    headers = [(b"retry-after", str(refusal.retry_after_s).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send_json(
-        send,
-        503,
-        error_payload("no_vacancy", refusal.reason.value, refusal.detail),
-        [(b"retry-after", str(refusal.retry_after_s).encode())],
+        send, 503, error_payload("no_vacancy", refusal.reason.value, refusal.detail), headers
     )
 
 

@@ -1,53 +1,78 @@
-"""WebSocket upgrades, tunnelled byte for byte.
+"""WebSocket upgrades, tunnelled byte for byte once the upstream has switched protocols.
 
 An ASGI server terminates WebSockets itself: it negotiates compression, answers pings and
 re-frames messages, so what reaches the upstream is not what the borrower sent. Instead
-the listener hands a connection whose first request is an upgrade to this module before
-the HTTP server parses it. The request head is checked like any other request (auth,
-then the adapter's classification, then admission for gated work sockets), replayed to
-the upstream with the same header rules as forwarded requests, and from then on bytes
-are copied both ways unchanged, the upstream's own 101 answer included.
+the listener hands over a connection as soon as h11 has parsed a request head that asks
+for a WebSocket (see serving.py), with the bytes that followed the head.
 
-Each listener caps its open tunnels, and a tunnel with no traffic either way for
-`websocket_idle_timeout_s` is closed. Closing either side closes both.
+What the tunnel trusts, in order:
+
+1. The head passes the front door (proxy/policy.py), the same decision a plain request
+   gets: auth, framing, classification, and a route the adapter declares as a WebSocket.
+2. A slot under the listener's `max_websockets` is taken before anything can wait, so
+   simultaneous upgrades cannot overshoot the cap; a work socket is then admitted through
+   gate and ledger and holds its resources while open.
+3. The head is replayed to the upstream with the proxy's header rules, and the client's
+   later bytes are withheld until the upstream's own answer has been read: only a `101`
+   whose `Sec-WebSocket-Accept` matches the client's key opens the splice. Any other
+   answer is relayed as one response and both connections close, so bytes a borrower
+   sent after the head (pipelined requests) never reach an upstream that did not switch.
+4. From then on bytes are copied both ways unchanged. A tunnel with no traffic either way
+   for `websocket_idle_timeout_s` is closed; closing either side closes both.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import json
 import logging
 
+import attrs
 import h11
 import trio
 
-from vacancyd.adapters import Adapter, RouteClass
-from vacancyd.admission import Admission, Reservation
+from vacancyd.adapters import Adapter
+from vacancyd.admission import Admission
 from vacancyd.auth import Authenticator
-from vacancyd.config import LimitsConfig, Management, Target, UpstreamConfig
+from vacancyd.config import LimitsConfig, Target, UpstreamConfig
 from vacancyd.model import Refuse
 from vacancyd.proxy.forward import Relay
-from vacancyd.proxy.headers import HOP_BY_HOP, is_cross_origin
+from vacancyd.proxy.headers import HOP_BY_HOP, header_value
+from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
 
 log = logging.getLogger(__name__)
 
 COPY_CHUNK = 65536
-# Headers that are hop-by-hop in general but are the upgrade itself, so they cross.
-_UPGRADE_HEADERS = frozenset({b"upgrade", b"connection"})
+# A refusal the upstream makes instead of switching is relayed whole, up to this size.
+MAX_RELAYED_ANSWER = 1024 * 1024
+_WEBSOCKET_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+# Never replayed: hop-by-hop (the upgrade's own pair is written afresh), Host (the
+# upstream's is written), and framing (an upgrade has no body).
+_NOT_REPLAYED = HOP_BY_HOP | {b"host", b"content-length"}
 
 
-def is_websocket_upgrade(head: bytes) -> bool:
-    """Whether a request head asks to upgrade to WebSocket (cheap; checked on every accept)."""
-    lines = head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
-    upgrade = connection = False
-    for line in lines:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"upgrade" and value.strip().lower() == b"websocket":
-            upgrade = True
-        elif name == b"connection" and b"upgrade" in value.lower():
-            connection = True
-    return upgrade and connection
+def is_websocket_request(request: h11.Request) -> bool:
+    """Whether the listener should hand this parsed head to the tunnel."""
+    return asks_for_websocket(request.method, list(request.headers))
+
+
+def expected_accept(key: bytes) -> bytes:
+    """RFC 6455's proof that a server read this handshake: base64(sha1(key + GUID))."""
+    return base64.b64encode(hashlib.sha1(key.strip() + _WEBSOCKET_GUID).digest())
+
+
+@attrs.frozen
+class _Answer:
+    """The upstream's reply to the replayed handshake."""
+
+    switched: bool
+    raw: bytes  # for a switch: its head and any frames after it, as received
+    status: int = 0
+    reason: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    body: bytes = b""
 
 
 class WebSocketTunnels:
@@ -71,127 +96,179 @@ class WebSocketTunnels:
         self._limits = limits
         self._credential = credential
         self.open = 0
+        self.refused_not_switched = 0
 
     async def take_over(
-        self, stream: trio.SocketStream, received: bytes, client: tuple[str, int] | None
+        self,
+        stream: trio.SocketStream,
+        request: h11.Request,
+        rest: bytes,
+        client: tuple[str, int] | None,
     ) -> None:
-        """Serve one connection whose first request is a WebSocket upgrade, then close it."""
+        """Serve one connection from its upgrade head on, then close it."""
         async with stream:
-            if b"\r\n\r\n" not in received:
-                # Over the head limit, or the client stopped before finishing it.
-                await _answer(stream, 400, "bad_request", "incomplete or oversized upgrade request")
-                return
-            head_end = received.index(b"\r\n\r\n") + 4
-            head, rest = received[:head_end], received[head_end:]
-            request = _parse_head(head)
-            if request is None:
-                await _answer(stream, 400, "bad_request", "malformed upgrade request")
-                return
-            authorised = await self._authorise(stream, request, client)
-            if authorised is None:
-                return
-            path, reservation = authorised
-            relay = Relay()
-            if reservation is not None:
-                self._admission.attach(reservation, relay)  # reclaim may cut the socket
-            try:
-                with relay.scope:
-                    await self._tunnel(stream, request, path, rest)
-            finally:
-                if reservation is not None:
-                    self._admission.release(reservation)
-
-    async def _authorise(
-        self, stream: trio.SocketStream, request: h11.Request, client: tuple[str, int] | None
-    ) -> tuple[str, Reservation | None] | None:
-        """Check the upgrade like any request: the path to open and any job it holds, or
-        None once a refusal has been answered."""
-        headers = list(request.headers)
-        verdict = self._auth.check_borrower(headers, client)
-        if not verdict.allowed:
-            await _answer(stream, verdict.status, verdict.code, verdict.message)
-            return None
-        if b"origin" in self.adapter.drop_request_headers and is_cross_origin(headers):
-            await _answer(stream, 403, "cross_origin_refused", "another site's page is refused")
-            return None
-        raw_path, _, query = bytes(request.target).partition(b"?")
-        found = self.adapter.classify(request.method.decode("ascii"), raw_path, query)
-        allowed_anyway = self.upstream.management is Management.ALLOW and found.path != ""
-        if found.route_class in (RouteClass.MANAGEMENT, RouteClass.UNKNOWN) and not allowed_anyway:
-            await _answer(
-                stream,
-                403,
-                "management_denied",
-                f"{found.path or 'this path'} is not a WebSocket a borrower may open",
+            headers = list(request.headers)
+            raw_path, _, query = bytes(request.target).partition(b"?")
+            head = RequestHead(
+                request.method.decode("ascii"), raw_path, query, headers, websocket=True
             )
-            return None
-        if self.open >= self._limits.max_websockets:
-            await _answer(
-                stream,
-                503,
-                "too_many_websockets",
-                "this listener has as many WebSocket tunnels open as it may",
-                retry_after_s=5,
+            decision = front_door(
+                head,
+                self.adapter,
+                self.upstream.management,
+                self._auth.check_borrower(headers, client),
             )
-            return None
-        if found.route_class is RouteClass.WORK:
-            outcome = await self._admission.admit(self.upstream, None)
-            if isinstance(outcome, Refuse):
+            if isinstance(decision, Refusal):
+                await _answer(stream, decision.status, decision.code, decision.message)
+                return
+            # Taken with no checkpoint since the count was read: the cap cannot be raced.
+            if self.open >= self._limits.max_websockets:
                 await _answer(
                     stream,
                     503,
-                    outcome.reason.value,
-                    outcome.detail,
-                    retry_after_s=outcome.retry_after_s,
-                    error_type="no_vacancy",
+                    "too_many_websockets",
+                    "this listener has as many WebSocket tunnels open as it may",
+                    retry_after_s=5,
                 )
-                return None
-            return found.path, outcome
-        return found.path, None
+                return
+            self.open += 1
+            try:
+                await self._admit_and_tunnel(stream, request, decision, query, rest)
+            finally:
+                self.open -= 1
+
+    async def _admit_and_tunnel(
+        self,
+        stream: trio.SocketStream,
+        request: h11.Request,
+        decision: Forward,
+        query: bytes,
+        rest: bytes,
+    ) -> None:
+        if not decision.gated:
+            await self._tunnel(stream, request, decision.found.path, query, rest)
+            return
+        outcome = await self._admission.admit(self.upstream, None)
+        if isinstance(outcome, Refuse):
+            await _answer(
+                stream,
+                503,
+                outcome.reason.value,
+                outcome.detail,
+                retry_after_s=outcome.retry_after_s,
+                error_type="no_vacancy",
+            )
+            return
+        relay = Relay()
+        self._admission.attach(outcome, relay)  # reclaim may cut the socket
+        try:
+            with relay.scope:
+                await self._tunnel(stream, request, decision.found.path, query, rest)
+        finally:
+            self._admission.release(outcome)
 
     async def _tunnel(
-        self, stream: trio.SocketStream, request: h11.Request, path: str, rest: bytes
+        self, stream: trio.SocketStream, request: h11.Request, path: str, query: bytes, rest: bytes
     ) -> None:
         try:
             with trio.fail_after(self._limits.upstream_connect_timeout_s):
                 upstream = await trio.open_tcp_stream(self.target.host, self.target.port)
         except (OSError, trio.TooSlowError) as exc:
-            await _answer(
-                stream, 502, "upstream_unavailable", f"the upstream did not answer: {exc}"
-            )
+            log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, exc)
+            await _answer(stream, 502, "upstream_unavailable", "the upstream did not answer")
             return
         async with upstream:
-            query = bytes(request.target).partition(b"?")[2]
             target = (self.target.base_path + path).encode("ascii")
             if query:
                 target += b"?" + query
-            await upstream.send_all(self._replayed_head(request, target) + rest)
-            self.open += 1
-            try:
-                await self._splice(stream, upstream)
-            finally:
-                self.open -= 1
+            key = header_value(request.headers, b"sec-websocket-key") or b""
+            answer = await self._handshake(upstream, self._replayed(request, target), key)
+            if answer is None:
+                await _answer(
+                    stream, 502, "upstream_unavailable", "the upstream did not answer the upgrade"
+                )
+                return
+            if not answer.switched:
+                self.refused_not_switched += 1
+                await _relay_refusal(stream, answer)
+                return
+            await _send_quietly(stream, answer.raw)
+            if rest:
+                await _send_quietly(upstream, rest)
+            await self._splice(stream, upstream)
 
-    def _replayed_head(self, request: h11.Request, target: bytes) -> bytes:
+    def _replayed(self, request: h11.Request, target: bytes) -> h11.Request:
         headers = list(request.headers)
         named = {
             token.strip().lower()
             for name, value in headers
             if name == b"connection"
             for token in value.split(b",")
-        } - _UPGRADE_HEADERS
-        dropped = (HOP_BY_HOP - _UPGRADE_HEADERS) | named | {b"host"}
-        dropped |= self.adapter.drop_request_headers
+        }
+        dropped = _NOT_REPLAYED | named | self.adapter.drop_request_headers
         if not self.upstream.forward_authorization or self._credential is not None:
             dropped |= {b"authorization"}
-        lines = [b"GET " + target + b" HTTP/1.1", b"host: " + self.target.host_header.encode()]
-        for name, value in headers:
-            if name in dropped or name.startswith(b"proxy-"):
-                continue
-            lines.append(name + b": " + value)
+        kept = [
+            (name, value)
+            for name, value in headers
+            if name not in dropped and not name.startswith(b"proxy-")
+        ]
+        replayed = [
+            (b"host", self.target.host_header.encode()),
+            (b"connection", b"Upgrade"),
+            (b"upgrade", b"websocket"),
+            *kept,
+        ]
         if self._credential is not None:
-            lines.append(b"authorization: Bearer " + self._credential.encode())
-        return b"\r\n".join(lines) + b"\r\n\r\n"
+            replayed.append((b"authorization", b"Bearer " + self._credential.encode()))
+        return h11.Request(method=b"GET", target=target, headers=replayed)
+
+    async def _handshake(
+        self, upstream: trio.SocketStream, request: h11.Request, key: bytes
+    ) -> _Answer | None:
+        """Send the handshake and read the upstream's answer, or None if it gave none in
+        time or broke the protocol."""
+        connection = h11.Connection(
+            h11.CLIENT, max_incomplete_event_size=self._limits.max_head_bytes
+        )
+        received = b""
+        try:
+            await upstream.send_all(connection.send(request) + connection.send(h11.EndOfMessage()))
+            with trio.fail_after(self._limits.header_timeout_s):
+                while True:
+                    event = connection.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await upstream.receive_some(COPY_CHUNK)
+                        if len(received) + len(data) > MAX_RELAYED_ANSWER:
+                            return None
+                        received += data
+                        connection.receive_data(data)
+                        continue
+                    if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+                        accept = header_value(event.headers, b"sec-websocket-accept")
+                        if accept is None or accept.strip() != expected_accept(key):
+                            log.warning(
+                                "upstream %s switched protocols without a valid "
+                                "Sec-WebSocket-Accept; not tunnelling",
+                                self.upstream.name,
+                            )
+                            return None
+                        return _Answer(switched=True, raw=received)
+                    if isinstance(event, h11.Response):
+                        return await _read_refusal(connection, upstream, event)
+                    if isinstance(event, h11.ConnectionClosed):
+                        return None
+        except (
+            h11.ProtocolError,
+            trio.TooSlowError,
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            OSError,
+        ) as exc:
+            log.warning(
+                "upstream %s did not answer a WebSocket upgrade: %s", self.upstream.name, exc
+            )
+            return None
 
     async def _splice(self, client: trio.SocketStream, upstream: trio.SocketStream) -> None:
         """Copy bytes both ways until either side closes or the tunnel goes idle."""
@@ -228,14 +305,51 @@ class WebSocketTunnels:
             nursery.start_soon(watch_idle)
 
 
-def _parse_head(head: bytes) -> h11.Request | None:
-    connection = h11.Connection(h11.SERVER)
-    try:
-        connection.receive_data(head)
+async def _read_refusal(
+    connection: h11.Connection, upstream: trio.SocketStream, response: h11.Response
+) -> _Answer | None:
+    """The rest of a non-101 answer, within MAX_RELAYED_ANSWER (the caller's deadline)."""
+    body = b""
+    while True:
         event = connection.next_event()
-    except h11.RemoteProtocolError:
+        if event is h11.NEED_DATA:
+            data = await upstream.receive_some(COPY_CHUNK)
+            connection.receive_data(data)
+            continue
+        if isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > MAX_RELAYED_ANSWER:
+                return None
+            continue
+        if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            return _Answer(
+                switched=False,
+                raw=b"",
+                status=response.status_code,
+                reason=bytes(response.reason),
+                headers=tuple(response.headers),
+                body=body,
+            )
         return None
-    return event if isinstance(event, h11.Request) else None
+
+
+async def _relay_refusal(stream: trio.SocketStream, answer: _Answer) -> None:
+    """The upstream's non-101 answer, as one response that closes the connection."""
+    head = [b"HTTP/1.1 %d %s" % (answer.status, answer.reason or b"Refused")]
+    for name, value in answer.headers:
+        if name not in HOP_BY_HOP and name != b"content-length":
+            head.append(name + b": " + value)
+    head.append(b"content-length: " + str(len(answer.body)).encode())
+    head.append(b"connection: close")
+    await _send_quietly(stream, b"\r\n".join(head) + b"\r\n\r\n" + answer.body)
+
+
+async def _send_quietly(stream: trio.SocketStream, data: bytes) -> None:
+    with (
+        trio.move_on_after(5),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+    ):
+        await stream.send_all(data)
 
 
 async def _answer(
@@ -250,20 +364,24 @@ async def _answer(
     """A plain HTTP answer to an upgrade we will not tunnel, then the connection ends."""
     kind = error_type or ("invalid_request_error" if status < 500 else "proxy_error")
     body = json.dumps({"error": {"type": kind, "code": code, "message": message}}).encode()
-    reason = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 502: b"Bad Gateway"}
+    reasons = {
+        400: b"Bad Request",
+        401: b"Unauthorized",
+        403: b"Forbidden",
+        501: b"Not Implemented",
+        502: b"Bad Gateway",
+    }
     head = [
-        b"HTTP/1.1 %d %s" % (status, reason.get(status, b"Service Unavailable")),
+        b"HTTP/1.1 %d %s" % (status, reasons.get(status, b"Service Unavailable")),
         b"content-type: application/json",
         b"content-length: " + str(len(body)).encode(),
         b"connection: close",
     ]
+    if status == 401:
+        head.append(b'www-authenticate: Bearer realm="vacancyd"')
     if retry_after_s is not None:
         head.append(b"retry-after: " + str(retry_after_s).encode())
-    with (
-        trio.move_on_after(5),
-        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-    ):
-        await stream.send_all(b"\r\n".join(head) + b"\r\n\r\n" + body)
+    await _send_quietly(stream, b"\r\n".join(head) + b"\r\n\r\n" + body)
 
 
-__all__ = ["WebSocketTunnels", "is_websocket_upgrade"]
+__all__ = ["WebSocketTunnels", "expected_accept", "is_websocket_request"]

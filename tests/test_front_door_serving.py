@@ -1,0 +1,206 @@
+"""The front door over real sockets: kept-alive upgrades, `100 Continue` given only when the
+body is wanted, head bounds on the API listener, and a cut stream logged in one line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import h11
+import httpx
+import pytest
+import trio
+
+from tests.support.configs import one_upstream_config
+from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
+from tests.support.upstreams import EchoUpstream
+
+# trio-websocket-free tests, but the echo upstream's WebSocket side may be left unclosed by
+# the raw clients here when a test ends mid-tunnel.
+pytestmark = pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
+
+UPGRADE = (
+    b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+)
+
+
+def config(upstream: EchoUpstream, tmp_path: Path, limits: str = "") -> str:
+    return one_upstream_config(upstream.url, tmp_path / "state", limits=limits)
+
+
+async def read_response(stream: trio.SocketStream, connection: h11.Connection) -> h11.Response:
+    """The next response head (skipping informational ones) and its body, read with h11."""
+    with trio.fail_after(5):
+        while True:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                connection.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                while not isinstance(connection.next_event(), h11.EndOfMessage):
+                    if connection.their_state is h11.SEND_BODY:
+                        connection.receive_data(await stream.receive_some(65536))
+                return event
+
+
+async def open_raw(daemon: InProcessDaemon, listener: str = "echo") -> trio.SocketStream:
+    url = daemon.api if listener == "api" else daemon.proxy(listener)
+    host, port = host_port(url)
+    return await trio.open_tcp_stream(host, port)
+
+
+async def test_an_upgrade_on_a_kept_alive_connection_is_tunnelled_like_a_first_one(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    async with in_process_daemon(config(echo, tmp_path)) as daemon:
+        stream = await open_raw(daemon)
+        async with stream:
+            client = h11.Connection(h11.CLIENT)
+            await stream.send_all(
+                client.send(
+                    h11.Request(method="GET", target="/v1/models", headers=[("host", "127.0.0.1")])
+                )
+                + client.send(h11.EndOfMessage())
+            )
+            first = await read_response(stream, client)
+            assert first.status_code == 200
+            await stream.send_all(UPGRADE)
+            answer = b""
+            with trio.fail_after(5):
+                while b"\r\n\r\n" not in answer:
+                    answer += await stream.receive_some(4096)
+        assert answer.startswith(b"HTTP/1.1 101")
+        assert b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in answer
+        assert echo.ws_seen and echo.ws_seen[-1].target == b"/v1/realtime"
+
+
+async def test_a_refused_kept_alive_upgrade_gets_the_same_refusal(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    async with in_process_daemon(config(echo, tmp_path)) as daemon:
+        stream = await open_raw(daemon)
+        async with stream:
+            await stream.send_all(
+                b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                + UPGRADE.replace(b"/v1/realtime", b"/v1/models")
+            )
+            reply = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+    first, _, second = reply.partition(b"HTTP/1.1 400")
+    assert first.startswith(b"HTTP/1.1 200")
+    assert b"websocket_not_offered" in second
+    assert [seen.target for seen in echo.seen] == [b"/v1/models"]
+    assert echo.ws_seen == []
+
+
+async def test_an_admitted_body_still_gets_100_continue(echo: EchoUpstream, tmp_path: Path) -> None:
+    body = b'{"model": "m"}'
+    async with in_process_daemon(config(echo, tmp_path)) as daemon:
+        stream = await open_raw(daemon)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            interim = b""
+            with trio.fail_after(5):
+                while b"\r\n\r\n" not in interim:
+                    interim += await stream.receive_some(4096)
+            assert interim.startswith(b"HTTP/1.1 100 ")
+            await stream.send_all(body)
+            final = interim.partition(b"\r\n\r\n")[2]
+            with trio.fail_after(5):
+                while b"\r\n\r\n" not in final:
+                    final += await stream.receive_some(4096)
+        assert final.startswith(b"HTTP/1.1 200 ")
+        assert echo.seen[-1].body == body
+
+
+async def test_a_refused_body_is_never_asked_for(echo: EchoUpstream, tmp_path: Path) -> None:
+    async with in_process_daemon(config(echo, tmp_path)) as daemon:
+        daemon.state.set_lending(False)
+        stream = await open_raw(daemon)
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Expect: 100-continue\r\nContent-Length: 100000\r\n\r\n"
+            )
+            reply = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+    assert reply.startswith(b"HTTP/1.1 503")
+    assert b"100 Continue" not in reply
+    assert b"lending_disabled" in reply and b"connection: close" in reply.lower()
+    assert echo.seen == []
+
+
+@pytest.mark.parametrize("listener", ["echo", "api"])
+async def test_heads_over_the_line_count_get_431_on_every_listener(
+    echo: EchoUpstream, tmp_path: Path, listener: str
+) -> None:
+    path = b"/v1/models" if listener == "echo" else b"/healthz"
+    head = b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"x: y\r\n" * 150 + b"\r\n"
+    async with in_process_daemon(config(echo, tmp_path)) as daemon:
+        stream = await open_raw(daemon, listener)
+        async with stream:
+            await stream.send_all(head)
+            reply = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+        assert reply.startswith(b"HTTP/1.1 431")
+        assert b"header lines" in reply
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.get(f"{daemon.api}/healthz")).status_code == 200
+    assert echo.seen == []
+
+
+async def test_the_header_count_limit_is_configurable(echo: EchoUpstream, tmp_path: Path) -> None:
+    async with (
+        in_process_daemon(config(echo, tmp_path, limits="max_header_count = 200")) as daemon,
+        httpx.AsyncClient(trust_env=False) as http,
+    ):
+        headers = [(f"x-{n}", "y") for n in range(150)]
+        got = await http.get(f"{daemon.proxy('echo')}/v1/models", headers=headers)
+    assert got.status_code == 200
+
+
+async def test_a_broken_stream_is_one_warning_line_not_a_traceback(
+    echo: EchoUpstream, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    echo.gate.set()
+    caplog.set_level(logging.INFO)
+    async with (
+        in_process_daemon(config(echo, tmp_path)) as daemon,
+        httpx.AsyncClient(trust_env=False) as http,
+    ):
+        request = {"echo_stream": {"events": 5, "break_at": 2}}
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with http.stream(
+                "POST", f"{daemon.proxy('echo')}/v1/chat/completions", json=request
+            ) as stream:
+                async for _ in stream.aiter_raw():
+                    pass
+    broken = [r for r in caplog.records if "broke" in r.getMessage()]
+    assert len(broken) == 1 and broken[0].levelno == logging.WARNING
+    assert all(r.exc_info is None for r in caplog.records if r.name.startswith("vacancyd"))
+
+
+async def test_an_unreachable_upstream_is_not_described_to_the_borrower(tmp_path: Path) -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connections are refused
+        text = one_upstream_config(f"http://127.0.0.1:{port}", tmp_path / "state")
+        async with (
+            in_process_daemon(text) as daemon,
+            httpx.AsyncClient(trust_env=False) as http,
+        ):
+            got = await http.get(f"{daemon.proxy('echo')}/v1/models")
+    assert got.status_code == 502
+    assert str(port) not in got.text and "Errno" not in got.text

@@ -1,0 +1,176 @@
+"""The proxy's front door: one decision for every request head, plain HTTP or WebSocket.
+
+A borrower reaches an upstream in two ways: a request the ASGI app forwards, or an upgrade
+the listener tunnels byte for byte. Both ask this one pure function, so a route cannot be
+refused on one path and open on the other, and every difference between them is a row
+here, table-tested like the gate. It judges only the head; admission (gate and ledger)
+follows for work, and the body, where there is one, is read after.
+
+The order, first refusal wins:
+
+1. the borrower's credentials (judged by the caller: the authenticator counts);
+2. framing: Content-Length together with chunked is ambiguous (400); an upgrade carries
+   no body, since bytes after its head would reach the upstream unread (400);
+3. a cross-site page, for upstreams that trust browsers not to reach them (403);
+4. the adapter's classification: management reads are refused (403) unless the operator
+   allows them, anything else unlisted is not recognised (501);
+5. WebSocket routes are declared per adapter: an upgrade on any other route is refused
+   (400) rather than forwarded, because a tunnel to a route that does not switch
+   protocols would carry whatever the borrower sends next past every check; a declared
+   WebSocket route asked for without an upgrade is refused too (400), and a handshake
+   without a valid key and version 13 is not one (400);
+6. what is left is forwarded, through admission when the route is work.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+
+import attrs
+
+from vacancyd.adapters import Adapter, Classification, RouteClass
+from vacancyd.auth import AuthResult
+from vacancyd.config import Management
+from vacancyd.proxy.headers import header_value, is_cross_origin
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+@attrs.frozen
+class RequestHead:
+    method: str
+    raw_path: bytes
+    query: bytes
+    headers: Headers
+    # Whether the head asks to switch to a WebSocket (see `asks_for_websocket`).
+    websocket: bool = False
+
+
+@attrs.frozen
+class Forward:
+    """Let the request through; `gated` work is admitted by the gate and ledger first."""
+
+    found: Classification
+    gated: bool
+
+
+@attrs.frozen
+class Refusal:
+    status: int
+    code: str
+    message: str
+    allowed_reads: tuple[str, ...] | None = None
+
+
+def front_door(
+    head: RequestHead, adapter: Adapter, management: Management, auth: AuthResult
+) -> Forward | Refusal:
+    """Decide one request head (see the module docstring for the order)."""
+    if not auth.allowed:
+        return Refusal(auth.status, auth.code, auth.message)
+    framing = _framing_refusal(head)
+    if framing is not None:
+        return framing
+    if b"origin" in adapter.drop_request_headers and is_cross_origin(head.headers):
+        # This upstream trusts that browsers cannot reach it from other sites, and the proxy
+        # must drop Origin for it (it rewrites Host), so the check happens here instead.
+        return Refusal(403, "cross_origin_refused", "requests from another site's page are refused")
+    found = adapter.classify(head.method, head.raw_path, head.query)
+    if found.route_class in (RouteClass.MANAGEMENT, RouteClass.UNKNOWN):
+        refusal = _unlisted_refusal(head.method, found, adapter, management)
+        if refusal is not None:
+            return refusal
+    declared = found.route is not None and found.route.websocket
+    if head.websocket and not declared:
+        return Refusal(
+            400,
+            "websocket_not_offered",
+            f"{found.path} is not a WebSocket route of the {adapter.name} adapter; "
+            "send the request without Upgrade",
+        )
+    if declared and not head.websocket:
+        return Refusal(
+            400,
+            "websocket_required",
+            f"{found.path} is a WebSocket route; open it with an Upgrade: websocket request",
+        )
+    if head.websocket:
+        problem = _handshake_problem(head.headers)
+        if problem is not None:
+            return Refusal(400, "bad_websocket_handshake", problem)
+    return Forward(found, gated=found.route_class is RouteClass.WORK)
+
+
+def _unlisted_refusal(
+    method: str, found: Classification, adapter: Adapter, management: Management
+) -> Refusal | None:
+    """Management reads and unknown routes: refused unless the operator allows reads."""
+    if method not in ("GET", "HEAD"):
+        return Refusal(
+            501,
+            "route_not_recognised",
+            f"{method} {found.path or '?'} is not a route the {adapter.name} adapter "
+            "recognises, so it is not forwarded; if the upstream really has it, report the "
+            "route and the upstream's version to the vacancyd maintainers",
+        )
+    if management is Management.ALLOW and found.path:
+        return None
+    reads = tuple(adapter.listed_reads())
+    return Refusal(
+        403,
+        "management_denied",
+        f"{found.path or 'this path'} is not a read a borrower may make "
+        f"({found.why or 'a management read'}); borrowers may read: {', '.join(reads)}",
+        allowed_reads=reads,
+    )
+
+
+def _framing_refusal(head: RequestHead) -> Refusal | None:
+    length = header_value(head.headers, b"content-length")
+    chunked = is_chunked(head.headers)
+    if length is not None and chunked:
+        return Refusal(400, "ambiguous_framing", "Content-Length together with chunked encoding")
+    if head.websocket and (chunked or (length is not None and length.strip() != b"0")):
+        return Refusal(400, "websocket_with_body", "a WebSocket upgrade request carries no body")
+    return None
+
+
+def _handshake_problem(headers: Headers) -> str | None:
+    version = header_value(headers, b"sec-websocket-version")
+    if version is None or version.strip() != b"13":
+        return "Sec-WebSocket-Version must be 13"
+    key = header_value(headers, b"sec-websocket-key")
+    try:
+        decoded = base64.b64decode(key.strip(), validate=True) if key is not None else b""
+    except binascii.Error:
+        decoded = b""
+    if len(decoded) != 16:
+        return "Sec-WebSocket-Key must be 16 bytes in base64"
+    return None
+
+
+def asks_for_websocket(method: bytes | str, headers: Headers) -> bool:
+    """Whether a head asks to switch to a WebSocket: GET, an Upgrade naming websocket and a
+    Connection naming upgrade. Any header of each name counts, so this is true of every
+    head hypercorn would itself turn into a WebSocket (it reads only the last of each)."""
+    if (method.encode("ascii") if isinstance(method, str) else method).upper() != b"GET":
+        return False
+    return _has_token(headers, b"upgrade", b"websocket") and _has_token(
+        headers, b"connection", b"upgrade"
+    )
+
+
+def _has_token(headers: Headers, name: bytes, token: bytes) -> bool:
+    return any(
+        part.strip().lower() == token
+        for header, value in headers
+        if header.lower() == name
+        for part in value.split(b",")
+    )
+
+
+def is_chunked(headers: Headers) -> bool:
+    value = header_value(headers, b"transfer-encoding")
+    return value is not None and b"chunked" in value.lower()
