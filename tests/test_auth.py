@@ -312,11 +312,8 @@ async def test_a_token_file_others_can_read_stops_the_daemon_in_process(
         await run_daemon(parsed, handle_signals=False)
 
 
-async def test_a_token_file_others_can_read_stops_the_real_daemon(
-    echo: EchoUpstream, tmp_path: Path
-) -> None:
-    config_file = tmp_path / "vacancyd.toml"
-    config_file.write_text(config(echo, tmp_path, read_token_mode=0o644))
+async def daemon_that_will_not_start(config_file: Path) -> str:
+    """Run the real daemon on a config it must refuse at start; its log (exit 1 checked)."""
     with trio.fail_after(30):
         finished = await trio.run_process(
             [sys.executable, "-m", "vacancyd", "run", "--config", str(config_file)],
@@ -327,6 +324,15 @@ async def test_a_token_file_others_can_read_stops_the_real_daemon(
         )
     log = finished.stderr.decode()
     assert finished.returncode == 1, log
+    return log
+
+
+async def test_a_token_file_others_can_read_stops_the_real_daemon(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    config_file = tmp_path / "vacancyd.toml"
+    config_file.write_text(config(echo, tmp_path, read_token_mode=0o644))
+    log = await daemon_that_will_not_start(config_file)
     assert f"token file {tmp_path / 'read.token'} is readable or writable by other users" in log
     assert "vacancyd ready" not in log
 
@@ -710,15 +716,6 @@ async def test_a_credential_file_of_another_user_stops_the_real_daemon(
     config_file.write_text(
         config(echo, tmp_path, upstream_extra=f'credential_file = "{credential}"')
     )
-    with trio.fail_after(30):
-        finished = await trio.run_process(
-            [sys.executable, "-m", "vacancyd", "run", "--config", str(config_file)],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            env=daemon_env(),
-        )
-    log = finished.stderr.decode()
-    assert finished.returncode == 1, log
+    log = await daemon_that_will_not_start(config_file)
     assert f"upstream[0].credential_file: credential file {credential} is owned by uid" in log
     assert "vacancyd ready" not in log

@@ -188,7 +188,8 @@ def _explain_failure(response: httpx.Response) -> int:
     return EXIT_FAILED
 
 
-def _status(args: argparse.Namespace) -> int:
+def _fetch_status(args: argparse.Namespace) -> dict[str, Any] | int:
+    """The daemon's /status document (read scope), or the exit code of a failure."""
     target = _api_target(args, Scope.READ)
     if isinstance(target, int):
         return target
@@ -198,7 +199,14 @@ def _status(args: argparse.Namespace) -> int:
         return response
     if response.status_code != 200:
         return _explain_failure(response)
-    document = response.json()
+    document: dict[str, Any] = response.json()
+    return document
+
+
+def _status(args: argparse.Namespace) -> int:
+    document = _fetch_status(args)
+    if isinstance(document, int):
+        return document
     if args.json:
         print(json.dumps(document, indent=2))
     else:
@@ -230,16 +238,10 @@ def _resume(args: argparse.Namespace) -> int:
 
 def _holds(args: argparse.Namespace) -> int:
     """List holds from /status, so the read scope is enough to see why nothing is lent."""
-    target = _api_target(args, Scope.READ)
-    if isinstance(target, int):
-        return target
-    base, token = target
-    response = _call("GET", f"{base}/status", token)
-    if isinstance(response, int):
-        return response
-    if response.status_code != 200:
-        return _explain_failure(response)
-    holds = holds_of(response.json())
+    document = _fetch_status(args)
+    if isinstance(document, int):
+        return document
+    holds = holds_of(document)
     print(json.dumps(holds, indent=2) if args.json else render_holds(holds))
     return EXIT_OK
 
