@@ -6,7 +6,7 @@ directory kept across two runs. The hold is made by a real cut: a generic OpenAI
 a borrowed answer, the owner unlocks the session on a mock logind (tests/support/logind.py,
 a private system bus) and the cancel policy cuts the stream. The first daemon is stopped
 with SIGTERM, a second one starts on the same state directory and must refuse that
-resource (503 resource_busy naming the hold) until an admin releases it.
+resource (503 job_held naming the hold) until an admin releases it.
 
 The owner policy: a locked session lends (`lend_when_locked = true`), an unlocked one is
 the owner at work, and locking again lends at once (`release_after_s = 0`).
@@ -147,7 +147,7 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
             assert hold["hold_reason"] == HOLD_REASON
             refused = await work(client, first)
             assert refused.status_code == 503, refused.text
-            assert refused.json()["error"]["code"] == "resource_busy"
+            assert refused.json()["error"]["code"] == "job_held"
         assert first.process.returncode == 0, first.log
 
         saved = json.loads((tmp_path / "state" / "holds.json").read_text())
@@ -176,9 +176,9 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
 
             refused = await work(client, second)
             assert refused.status_code == 503, refused.text
-            assert refused.headers["retry-after"] == "2"
+            assert refused.headers["retry-after"] == "300"
             error = refused.json()["error"]
-            assert (error["type"], error["code"]) == ("no_vacancy", "resource_busy")
+            assert (error["type"], error["code"]) == ("no_vacancy", "job_held")
             assert error["message"] == f"ram is held: {restored_reason}"
             metrics = (await client.get(f"{second.api}/metrics")).text
             assert 'vacancyd_holds{upstream="gen"} 1.0' in metrics
@@ -274,9 +274,9 @@ async def test_a_corrupt_holds_file_refuses_everything_until_an_admin_clears_it(
             url = f"{daemon.proxies[upstream]}/v1/chat/completions"
             refused = await client.post(url, json={"prompt": "x"})
             assert refused.status_code == 503, refused.text
-            assert refused.headers["retry-after"] == "2"
+            assert refused.headers["retry-after"] == "300"
             error = refused.json()["error"]
-            assert error["code"] == "resource_busy"
+            assert error["code"] == "job_held"
             assert error["message"].startswith(f"{resource} is held: ")
             assert str(holds) not in error["message"]
             last = (await status(client, daemon))["upstreams"][upstream]["last_refusal"]

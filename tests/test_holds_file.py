@@ -3,7 +3,7 @@
 `holds.json` names resources vacancyd could not prove free. A file that cannot be read
 back (corrupt, empty, foreign, a symbolic link, another owner's, too large) might have
 named any of them, so every configured resource refuses new borrowed work with the hold
-reason (`resource_busy`) until an admin clears it; clearing moves the file aside rather
+reason (`job_held`) until an admin clears it; clearing moves the file aside rather
 than deleting it. The problem is reported with its path and reason.
 
 Real files in a temporary state directory and the real ledger; the daemon, the admin API
@@ -141,8 +141,8 @@ async def test_an_untrustworthy_holds_file_refuses_every_resource(
         refusal = ledger.try_reserve("llama", (name,), None)
         assert isinstance(refusal, Refuse), name
         assert (refusal.reason, refusal.retry_after_s, refusal.resource) == (
-            Reason.RESOURCE_BUSY,
-            2,
+            Reason.JOB_HELD,
+            300,
             name,
         )
         assert refusal.detail.startswith(f"{name} is held: ")

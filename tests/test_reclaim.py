@@ -261,7 +261,7 @@ async def test_a_durable_hold_survives_a_restart_until_released(tmp_path: Path) 
     restarted = Ledger(restarted_state, holds_path=tmp_path / "holds.json")
     assert restarted.restore_holds(set(restarted_state.resources)) == 1
     refused = restarted.try_reserve("a", ("gpu0",), None)
-    assert isinstance(refused, Refuse) and refused.reason is Reason.RESOURCE_BUSY
+    assert isinstance(refused, Refuse) and refused.reason is Reason.JOB_HELD
     assert "held: cannot prove the job stopped" in refused.detail
     [held] = restarted.statistics().entries
     assert held.phase == "held"

@@ -591,9 +591,9 @@ async def test_a_cut_job_on_a_server_that_keeps_working_is_held_until_an_admin_r
         assert document["resources"]["ram"]["reserved_by"] == job_id
         refused = await http.post(chat, json={"prompt": "x"})
         assert refused.status_code == 503, refused.text
-        assert refused.headers["retry-after"] == "2"
+        assert refused.headers["retry-after"] == "300"
         error = refused.json()["error"]
-        assert error["code"] == "resource_busy"
+        assert error["code"] == "job_held"
         assert error["message"] == f"ram is held: {HOLD_REASON}"
         metrics = (await http.get(f"{daemon.api}/metrics")).text
         assert 'vacancyd_holds{upstream="gen"} 1.0' in metrics

@@ -29,7 +29,7 @@ import trio
 from vacancyd.config import ResourceConfig, UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.gate import decide
-from vacancyd.model import RETRY_RESOURCE_BUSY, ModelNeed, Reason, Refuse
+from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, ModelNeed, Reason, Refuse
 from vacancyd.persist import (
     StateFileProblem,
     UntrustedFile,
@@ -159,15 +159,21 @@ class Ledger:
             return _unreadable_refusal(resources[0], self._unreadable)
         for name in resources:
             holder = self._holders.get(name)
+            if holder is not None and holder.phase == "held":
+                self._busy_refusals[upstream] += 1
+                return Refuse(
+                    Reason.JOB_HELD,
+                    RETRY_JOB_HELD,
+                    f"{name} is held: {holder.hold_detail}",
+                    resource=name,
+                )
             if holder is not None:
                 self._busy_refusals[upstream] += 1
-                what = (
-                    f"held: {holder.hold_detail}"
-                    if holder.phase == "held"
-                    else f"serving another borrowed job (upstream {holder.upstream})"
-                )
                 return Refuse(
-                    Reason.RESOURCE_BUSY, RETRY_RESOURCE_BUSY, f"{name} is {what}", resource=name
+                    Reason.RESOURCE_BUSY,
+                    RETRY_RESOURCE_BUSY,
+                    f"{name} is serving another borrowed job (upstream {holder.upstream})",
+                    resource=name,
                 )
         return None
 
@@ -496,8 +502,8 @@ def _unreadable_refusal(resource: str, problem: StateFileProblem) -> Refuse:
     path and what is wrong with it are for the operator.
     """
     return Refuse(
-        Reason.RESOURCE_BUSY,
-        RETRY_RESOURCE_BUSY,
+        Reason.JOB_HELD,
+        RETRY_JOB_HELD,
         f"{resource} is held: the durable holds file cannot be trusted, so any resource "
         "may still be in use; an admin must clear it",
         resource=resource,

@@ -53,6 +53,8 @@ class Reason(enum.Enum):
     INSUFFICIENT_CAPACITY = "insufficient_capacity"
     RESOURCE_PRESSURED = "resource_pressured"
     RESOURCE_BUSY = "resource_busy"
+    # A job vacancyd could not prove stopped holds the resource until proof or an admin.
+    JOB_HELD = "job_held"
 
 
 class PressureQuality(enum.Enum):
@@ -213,5 +215,8 @@ RETRY_RESOURCE_UNMEASURED = 30
 RETRY_INSUFFICIENT_CAPACITY = 30
 RETRY_RESOURCE_PRESSURED = 30
 RETRY_RESOURCE_BUSY = 2
+# A hold ends on proof that the job stopped (polled every few seconds where the upstream
+# can say) or on an admin's word, which takes minutes: come back then, not in 2 s.
+RETRY_JOB_HELD = 300
 
 MIB = 1024 * 1024
