@@ -52,8 +52,19 @@ def client() -> httpx.AsyncClient:
 
 
 def assert_refused(response: httpx.Response, status: int, code: str) -> None:
+    """vacancyd's own answer: the code in the reason header, and in the body's OpenAI-style
+    error object (every dialect but Ollama's native one has one)."""
     assert response.status_code == status, response.text
+    assert response.headers["x-vacancyd-reason"] == code
     assert response.json()["error"]["code"] == code
+
+
+def assert_refused_as_ollama(response: httpx.Response, status: int, code: str) -> None:
+    """On Ollama's native routes the body is Ollama's own: one string naming the code."""
+    assert response.status_code == status, response.text
+    assert response.headers["x-vacancyd-reason"] == code
+    error = response.json()["error"]
+    assert isinstance(error, str) and error.startswith(f"{code}: ")
 
 
 @pytest.fixture
@@ -220,12 +231,12 @@ async def test_ollama_chat_and_openai_layer_pass(ollama: FakeOllama, tmp_path: P
 
 async def test_ollama_management_is_refused(ollama: FakeOllama, tmp_path: Path) -> None:
     async with borrowing("ollama", ollama.url, tmp_path) as (base, http):
-        assert_refused(await http.get(f"{base}/api/ps"), 403, "management_denied")
-        assert_refused(await http.get(f"{base}/?verbose"), 403, "management_denied")
+        assert_refused_as_ollama(await http.get(f"{base}/api/ps"), 403, "management_denied")
+        assert_refused_as_ollama(await http.get(f"{base}/?verbose"), 403, "management_denied")
         pull = await http.post(f"{base}/api/pull", json={"model": "llama3.2"})
-        assert_refused(pull, 501, "route_not_recognised")
+        assert_refused_as_ollama(pull, 501, "route_not_recognised")
         delete = await http.request("DELETE", f"{base}/api/delete", json={"model": "x"})
-        assert_refused(delete, 501, "route_not_recognised")
+        assert_refused_as_ollama(delete, 501, "route_not_recognised")
     assert ollama.seen == []
 
 

@@ -133,7 +133,7 @@ async def test_admission_refuses_then_records_what_the_gate_saw() -> None:
     state.record_observation(Observation("cpu", later, utilization_pct=10.0))
     short = await admission.admit(upstream, "big")
     assert isinstance(short, Refuse) and short.reason is Reason.INSUFFICIENT_CAPACITY
-    assert "big needs 8000 MiB of ram, 4000 MiB is spare" in short.detail
+    assert "big needs 8000 MiB of ram (configured footprint), 4000 MiB is spare" in short.detail
     record = decisions.for_upstream("llama")
     assert record.admitted == 1
     assert record.refused == {"resource_busy": 1, "insufficient_capacity": 1}

@@ -162,23 +162,6 @@ async def test_pause_refuses_work_but_health_and_models_still_pass(
         assert admitted.json()["object"] == "chat.completion"
 
 
-async def test_a_second_request_while_one_streams_is_refused_busy(daemon: DaemonProcess) -> None:
-    base = daemon.proxies["llama"]
-    async with http() as client:
-        request = {**CHAT, "stream": True, "max_tokens": 24}
-        async with (
-            client.stream("POST", f"{base}/v1/chat/completions", json=request) as stream,
-            aclosing(stream.aiter_raw()) as pieces,
-        ):
-            await pieces.__anext__()
-            busy = await client.post(f"{base}/v1/completions", json={"prompt": "hi"})
-            assert busy.status_code == 503
-            assert busy.headers["retry-after"] == "2"
-            assert busy.json()["error"]["code"] == "resource_busy"
-            async for _ in pieces:
-                pass
-
-
 async def test_management_reads_and_unknown_routes_fail_closed(daemon: DaemonProcess) -> None:
     base = daemon.proxies["llama"]
     async with http() as client:

@@ -73,6 +73,8 @@ name = "gpu0"
 kind = "nvidia_gpu"
 device = 0
 keep_free_mib = 1024
+emergency_reserve_pct = 0.0
+emergency_reserve_min_mib = 0
 
 [resource.pressure]
 threshold_pct = {threshold}
@@ -395,7 +397,7 @@ async def test_free_memory_below_the_models_need_refuses_insufficient_capacity(
         refused = await world.work("big")
         assert refusal(refused) == (503, "30", "insufficient_capacity")
         assert refused.json()["error"]["message"] == (
-            "big needs 16000 MiB of gpu0, 11264 MiB is spare"
+            "big needs 16000 MiB of gpu0 (configured footprint), 11264 MiB is spare"
         )
         # A model that fits is still lent.
         assert (await world.work("small")).status_code == 200

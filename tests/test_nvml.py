@@ -91,6 +91,7 @@ def config_for(
         text += (
             f'[[resource]]\nname = "gpu{number}"\nkind = "nvidia_gpu"\ndevice = {value}\n'
             f"keep_free_mib = {keep_free_mib}\n"
+            "emergency_reserve_pct = 0.0\nemergency_reserve_min_mib = 0\n"
             # Attributed pressure is another loop's reading; off, so capacity alone decides.
             "pressure = { enabled = false }\n"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from contextlib import aclosing
 from pathlib import Path
@@ -71,7 +72,11 @@ async def test_a_stream_is_cut_at_the_drain_deadline_and_new_work_is_refused(
                 async for piece in pieces:
                     received += piece
         cut_after = trio.current_time() - returned
-        assert received == b"data: 0\n\n" and b"[DONE]" not in received
+        # The stream ends with one error event naming the reason, then breaks: never [DONE].
+        first, final, rest = received.split(b"\n\n")
+        assert first == b"data: 0" and rest == b""
+        error = json.loads(final.removeprefix(b"data: "))["error"]
+        assert (error["type"], error["code"]) == ("no_vacancy", "owner_active")
         assert 1.0 <= cut_after < 5.0, f"cut after {cut_after:.2f}s"
         status = (await http.get(f"{daemon.api}/status")).json()
         reclaim = status["upstreams"]["echo"]["reclaim"]["last"]

@@ -16,7 +16,7 @@ import trio.testing
 
 from tests.support.configs import config_from
 from vacancyd.adapters import adapter_for
-from vacancyd.admission import Ledger, Reservation
+from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import Config
 from vacancyd.model import (
     MIB,
@@ -264,7 +264,7 @@ async def test_a_durable_hold_survives_a_restart_until_released(tmp_path: Path) 
     assert isinstance(refused, Refuse) and refused.reason is Reason.JOB_HELD
     assert "held: cannot prove the job stopped" in refused.detail
     [held] = restarted.statistics().entries
-    assert held.phase == "held"
+    assert held.phase is Phase.HELD
     assert restarted.release_hold(held.job_id, "admin") is held
     assert restarted.holder("gpu0") is None
     assert restarted.awaits_sample("gpu0"), "a released hold still needs a fresh sample"

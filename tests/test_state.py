@@ -6,6 +6,7 @@ import trio
 import trio.testing
 
 from tests.support.configs import BASIC, config_from
+from vacancyd.config import parse_config
 from vacancyd.model import (
     MIB,
     ModelNeed,
@@ -164,3 +165,26 @@ async def test_switches_and_change_notification() -> None:
     assert not state.gate_input(
         "llama", OwnerScope.HOST, ("ram",), ModelNeed(model=None)
     ).lending_enabled
+
+
+async def test_an_emergency_floor_is_never_lent(autojump_clock: trio.testing.MockClock) -> None:
+    # A tenth of the total, but at least 2048 MiB, on top of what the owner keeps.
+    config = config_from(
+        BASIC.replace("emergency_reserve_pct = 0.0", "emergency_reserve_pct = 10.0").replace(
+            "emergency_reserve_min_mib = 0", "emergency_reserve_min_mib = 2048"
+        )
+    )
+    state = SharedState(config)
+    now = trio.current_time()
+    state.record_observation(Observation("ram", now, 40_960 * MIB, 10_000 * MIB))
+    assert state.resource_view("ram").spare_mib == 10_000 - 1000 - 4096
+    state.record_observation(Observation("ram", now, 8192 * MIB, 3000 * MIB))
+    view = state.resource_view("ram")
+    assert view.spare_mib == 3000 - 1000 - 2048 and not view.lendable
+    assert "2048 MiB are an emergency reserve" in view.policy_detail
+
+
+def test_the_emergency_floor_is_on_by_default() -> None:
+    text = '[[resource]]\nname = "gpu0"\nkind = "nvidia_gpu"\ndevice = 0\n'
+    resource = parse_config(text).resource[0]
+    assert (resource.emergency_reserve_pct, resource.emergency_reserve_min_mib) == (10.0, 2048)

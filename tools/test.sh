@@ -12,8 +12,10 @@ need_packages=()
 command -v cmake >/dev/null || need_packages+=(cmake)
 command -v g++ >/dev/null || need_packages+=(g++)
 command -v make >/dev/null || need_packages+=(make)
+# systemd-analyze verifies conf/vacancyd.service (tests/test_systemd_unit.py).
+command -v systemd-analyze >/dev/null || need_packages+=(systemd)
 if [ ${#need_packages[@]} -gt 0 ]; then
-  echo "test.sh: installing ${need_packages[*]} (needed to build llama-server)" >&2
+  echo "test.sh: installing ${need_packages[*]} (to build llama-server, to verify the unit)" >&2
   apt-get update -qq && apt-get install -y -qq "${need_packages[@]}" >/dev/null
 fi
 

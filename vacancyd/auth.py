@@ -111,6 +111,29 @@ class Authenticator:
         self.counts[(scope.value, "allowed" if result.allowed else "denied")] += 1
         return result
 
+    def check_any(
+        self,
+        authorization: str | None,
+        client_host: str | None,
+        scopes: tuple[Scope, ...],
+        host_header: str | None = None,
+    ) -> AuthResult:
+        """Decide a request that any one of `scopes` may make (the vacancy probe: borrowers
+        and readers alike). Counted once: under the scope that allowed it, else the first."""
+        local = (
+            client_host is not None
+            and is_loopback_host(client_host)
+            and _names_this_machine(host_header)
+        )
+        results = [(scope, self._decide(authorization, local, scope)) for scope in scopes]
+        scope, result = next(((s, r) for s, r in results if r.allowed), results[0])
+        if not result.allowed:
+            names = " or ".join(s.value for s in scopes)
+            message = result.message.replace(f"the {scope.value} scope", f"the {names} scope")
+            result = attrs.evolve(result, message=message)
+        self.counts[(scope.value, "allowed" if result.allowed else "denied")] += 1
+        return result
+
     def _decide(self, authorization: str | None, local: bool, scope: Scope) -> AuthResult:
         match = self._match(authorization)
         if match is not None and scope in match.scopes:

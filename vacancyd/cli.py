@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +17,7 @@ import trio
 from vacancyd import __version__
 from vacancyd.config import Config, Scope, load_config, parse_listen
 from vacancyd.errors import ConfigError, StartupError
+from vacancyd.footprint import command as footprint_command
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         "resume": _resume,
         "holds": _holds,
         "release": _release,
+        "debug": _debug,
+        "diagnostics": _diagnostics,
+        "footprint": _footprint,
     }[args.command]
     return handler(args)
 
@@ -53,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a configuration file")
     check.add_argument("file", metavar="FILE")
 
+    footprint = commands.add_parser(
+        "footprint", help="estimate a model's memory footprint and print a config snippet"
+    )
+    footprint_command.add_arguments(footprint)
+
     for name, text in (
         ("status", "show what a running daemon reports"),
         ("pause", "stop lending (new borrowed work is refused)"),
@@ -69,7 +80,48 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--json", action="store_true", help="print the raw JSON document")
         if name == "release":
             _release_arguments(sub)
+    _operator_commands(commands)
     return parser
+
+
+def _operator_commands(commands: Any) -> None:
+    """`debug` and `diagnostics`: the seed's tools for an owner chasing a problem."""
+    debug = commands.add_parser("debug", help="log at debug for a while; it turns itself off")
+    diagnostics = commands.add_parser(
+        "diagnostics", help="write one archive for a bug report (secrets redacted)"
+    )
+    for sub in (debug, diagnostics):
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--config", metavar="FILE", help="find the API address in this file")
+        where.add_argument("--api", metavar="URL", help="the API's base URL")
+        sub.add_argument("--token", help="admin token (default: $VACANCYD_TOKEN or a token file)")
+    how_long = debug.add_mutually_exclusive_group(required=True)
+    how_long.add_argument(
+        "--for",
+        dest="for_s",
+        metavar="DURATION",
+        type=_duration,
+        help="how long, e.g. 10m, 1h30m (at most 7d)",
+    )
+    how_long.add_argument("--off", action="store_true", help="turn debug logging off now")
+    diagnostics.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="the archive to write (default: vacancyd-diagnostics-<time>.tar.gz here)",
+    )
+
+
+def _duration(text: str) -> float:
+    from vacancyd.durations import parse_duration
+
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be longer than 0s")
+    return seconds
 
 
 def _release_arguments(release: argparse.ArgumentParser) -> None:
@@ -86,16 +138,14 @@ def _release_arguments(release: argparse.ArgumentParser) -> None:
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # httpx logs every request at INFO with its whole URL, borrowers' query strings
-    # included; those belong in the log only when the operator asks for debugging.
-    quiet = logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(quiet)
+    """stderr, in the journal's format when it is the journal (vacancyd.logs).
+
+    httpx logs every request at INFO with its whole URL, borrowers' query strings
+    included; those belong in the log only when the operator asks for debugging.
+    """
+    from vacancyd.logs import configure_logging
+
+    configure_logging(level)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -107,6 +157,9 @@ def _run(args: argparse.Namespace) -> int:
         _print_problems(args.config or "<embedded default>", exc)
         return EXIT_CONFIG
     _configure_logging(config.server.log_level.value)
+    # A wedged daemon is killed by systemd's watchdog with SIGABRT: leave every thread's
+    # stack in the log, so the bug report shows where it was stuck.
+    faulthandler.enable(all_threads=True)
     log = logging.getLogger("vacancyd")
     log.info(
         "vacancyd %s starting with %s", __version__, args.config or "the embedded default config"
@@ -136,6 +189,10 @@ def _print_problems(source: str, exc: ConfigError) -> None:
     print(f"{source}: {len(exc.messages)} problem(s):", file=sys.stderr)
     for message in exc.messages:
         print(f"  {message}", file=sys.stderr)
+
+
+def _footprint(args: argparse.Namespace) -> int:
+    return footprint_command.run(args)
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -188,19 +245,27 @@ def _explain_failure(response: httpx.Response) -> int:
     return EXIT_FAILED
 
 
-def _fetch_status(args: argparse.Namespace) -> dict[str, Any] | int:
-    """The daemon's /status document (read scope), or the exit code of a failure."""
-    target = _api_target(args, Scope.READ)
+def _ask(
+    args: argparse.Namespace, scope: Scope, method: str, path: str, body: Any = None
+) -> dict[str, Any] | int:
+    """One call to the daemon's API: its JSON answer, or the exit code of a failure (said
+    on stderr: no daemon, no credential, or the daemon's own refusal)."""
+    target = _api_target(args, scope)
     if isinstance(target, int):
         return target
     base, token = target
-    response = _call("GET", f"{base}/status", token)
+    response = _call(method, f"{base}{path}", token, body)
     if isinstance(response, int):
         return response
     if response.status_code != 200:
         return _explain_failure(response)
-    document: dict[str, Any] = response.json()
-    return document
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def _fetch_status(args: argparse.Namespace) -> dict[str, Any] | int:
+    """The daemon's /status document (read scope), or the exit code of a failure."""
+    return _ask(args, Scope.READ, "GET", "/status")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -215,15 +280,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _set_lending(args: argparse.Namespace, enabled: bool) -> int:
-    target = _api_target(args, Scope.ADMIN)
-    if isinstance(target, int):
-        return target
-    base, token = target
-    response = _call("POST", f"{base}/admin/lending", token, {"enabled": enabled})
-    if isinstance(response, int):
-        return response
-    if response.status_code != 200:
-        return _explain_failure(response)
+    answer = _ask(args, Scope.ADMIN, "POST", "/admin/lending", {"enabled": enabled})
+    if isinstance(answer, int):
+        return answer
     print("lending resumed" if enabled else "lending paused: new borrowed work is refused")
     return EXIT_OK
 
@@ -278,27 +337,61 @@ def render_holds(holds: dict[str, Any]) -> str:
 
 def _release(args: argparse.Namespace) -> int:
     """End one hold, or clear an untrusted holds file: an admin's word, nothing else."""
-    target = _api_target(args, Scope.ADMIN)
-    if isinstance(target, int):
-        return target
-    base, token = target
     path = (
         "/admin/holds/unreadable/clear"
         if args.unreadable_file
         else f"/admin/holds/{args.job_id}/release"
     )
-    response = _call("POST", f"{base}{path}", token)
-    if isinstance(response, int):
-        return response
-    if response.status_code != 200:
-        return _explain_failure(response)
-    answer = response.json()
+    answer = _ask(args, Scope.ADMIN, "POST", path)
+    if isinstance(answer, int):
+        return answer
     if args.unreadable_file:
         moved = answer["moved_to"]
         kept = f"kept as {moved}" if moved else "it was already gone"
         print(f"cleared the holds file {answer['cleared']}; {kept}")
     else:
         print(f"released job {answer['released']}: {', '.join(answer['resources'])}")
+    return EXIT_OK
+
+
+def _debug(args: argparse.Namespace) -> int:
+    """Open a debug logging window on the daemon (or close it with --off)."""
+    from vacancyd.durations import describe_duration
+
+    seconds = 0.0 if args.off else args.for_s
+    answer = _ask(args, Scope.ADMIN, "POST", "/admin/debug", {"for_s": seconds})
+    if isinstance(answer, int):
+        return answer
+    window = answer["debug_logging"]
+    if window["active"]:
+        ends = describe_duration(window["ends_in_s"])
+        print(f"debug logging on for {ends}; it turns itself off then")
+    else:
+        print("debug logging off")
+    return EXIT_OK
+
+
+def _diagnostics(args: argparse.Namespace) -> int:
+    """Fetch the diagnostics document and write it as one private tar.gz archive."""
+    from datetime import UTC, datetime
+
+    from vacancyd.diagnostics import archive_bytes, write_private
+
+    document = _ask(args, Scope.ADMIN, "GET", "/admin/diagnostics")
+    if isinstance(document, int):
+        return document
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = Path(args.output or f"vacancyd-diagnostics-{stamp}.tar.gz")
+    data = archive_bytes(document)
+    try:
+        write_private(path, data)
+    except OSError as exc:
+        print(f"vacancyd: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(
+        f"wrote {path} ({len(data)} bytes, {len(document.get('log', []))} log lines); "
+        "secrets are redacted and no borrower's request is in it"
+    )
     return EXIT_OK
 
 
@@ -362,7 +455,23 @@ def render_status(document: dict[str, Any]) -> str:
             lines.append(f"    memory recovery: {upstream['memory_recovery']}")
     for problem in document.get("state_files", []):
         lines.append(f"state file {problem['path']} {problem['reason']}: {problem['consequence']}")
+    lines.extend(_operator_lines(document))
     return "\n".join(lines)
+
+
+def _operator_lines(document: dict[str, Any]) -> list[str]:
+    """The debug window while it is open, and any essential task that is stuck."""
+    from vacancyd.durations import describe_duration
+
+    lines = []
+    debug = document.get("debug_logging") or {}
+    if debug.get("active"):
+        ends = describe_duration(debug.get("ends_in_s") or 0)
+        lines.append(f"debug logging: on, turns itself off in {ends}")
+    liveness = document.get("liveness") or {}
+    if liveness.get("problems"):
+        lines.append("NOT MAKING PROGRESS: " + "; ".join(liveness["problems"]))
+    return lines
 
 
 def _age(age: float | None) -> str:

@@ -6,12 +6,15 @@ an operator see every value the gate used, rather than a reconstruction of it.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 import attrs
 import trio
 
-from vacancyd.model import Decision, GateInput, Refuse
+from vacancyd.model import Decision, GateInput, Refuse, Residency
+
+# Decisions kept across all upstreams for diagnostics: enough to see a pattern of refusals.
+RECENT_DECISIONS = 200
 
 
 @attrs.frozen
@@ -27,24 +30,38 @@ class UpstreamDecisions:
     refused: Counter[str] = attrs.Factory(Counter)
     last: DecisionRecord | None = None
     last_refusal: DecisionRecord | None = None
+    # The last residency proof read for a request, and how many admissions it credited.
+    residency: Residency | None = None
+    credited: int = 0
 
 
 class DecisionLog:
     def __init__(self, upstreams: list[str]) -> None:
         self._by_upstream = {name: UpstreamDecisions() for name in upstreams}
+        self._recent: deque[tuple[str, DecisionRecord]] = deque(maxlen=RECENT_DECISIONS)
 
     def record(self, upstream: str, question: GateInput | None, decision: Decision) -> None:
         entry = self._by_upstream[upstream]
         record = DecisionRecord(trio.current_time(), question, decision)
         entry.last = record
+        self._recent.append((upstream, record))
         if isinstance(decision, Refuse):
             entry.refused[decision.reason.value] += 1
             entry.last_refusal = record
         else:
             entry.admitted += 1
 
+    def record_residency(self, upstream: str, residency: Residency, credited: bool) -> None:
+        entry = self._by_upstream[upstream]
+        entry.residency = residency
+        entry.credited += credited
+
     def for_upstream(self, upstream: str) -> UpstreamDecisions:
         return self._by_upstream[upstream]
+
+    def recent(self) -> list[tuple[str, DecisionRecord]]:
+        """The last RECENT_DECISIONS decisions on any upstream, oldest first."""
+        return list(self._recent)
 
     def upstreams(self) -> list[str]:
         return list(self._by_upstream)

@@ -147,10 +147,11 @@ def _check_model_capacity(resources: tuple[ResourceView, ...], need: ModelNeed) 
         if resource.spare_mib < charge:
             model = need.model or "the default model"
             credit = f"; {need.credit_detail}" if need.credit_detail else ""
+            source = f" ({need.source} footprint)" if need.source else ""
             return Refuse(
                 Reason.INSUFFICIENT_CAPACITY,
                 RETRY_INSUFFICIENT_CAPACITY,
-                f"{model} needs {charge} MiB of {resource.name}, "
+                f"{model} needs {charge} MiB of {resource.name}{source}, "
                 f"{resource.spare_mib} MiB is spare{credit}",
                 resource=resource.name,
             )

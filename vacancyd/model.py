@@ -157,6 +157,40 @@ class ModelNeed:
     resident_credit: bool = False
     resident_min_free_mib: int = 0
     credit_detail: str = ""
+    # Where need_mib came from: "configured", "learned", "estimated" or "default".
+    source: str = ""
+
+
+@attrs.frozen
+class Residency:
+    """What an upstream showed about one request's model, read from the upstream itself.
+
+    `resident` says the request would reuse a model the server holds as loaded (so it
+    loads nothing); `detail` says why or why not, for a person. `slots` is how many
+    requests the server serves at once for that model (None: it does not say). `taken_at`
+    is trio time of the
+    reading; `source` names what was read (for example "/slots", "/api/ps").
+    """
+
+    resident: bool
+    taken_at: float
+    source: str
+    detail: str
+    model: str | None = None
+    slots: int | None = None
+    # Memory the server's own allocator holds and reuses for the next job (ComfyUI): none
+    # of it is the owner's, so it is added back to the request's one GPU.
+    reusable_mib: int = 0
+
+
+@attrs.frozen
+class FootprintHint:
+    """A model's footprint that is not configured: learned from measured loads, or
+    estimated from its geometry. `source` says which, `detail` how it was found."""
+
+    need_mib: dict[str, int]
+    source: str  # "learned" or "estimated"
+    detail: str = ""
 
 
 @attrs.frozen

@@ -35,7 +35,7 @@ import trio
 
 from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamContext
-from vacancyd.admission import Ledger, Reservation
+from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import OnOwnerReturn, UpstreamConfig, parse_target
 from vacancyd.gate import owner_refusal
 from vacancyd.model import (
@@ -214,7 +214,7 @@ class UpstreamReclaim:
 
     def _still_running(self, affected: list[Reservation]) -> list[Reservation]:
         live = {id(r) for r in self._ledger.entries_for(self.upstream.name)}
-        return [r for r in affected if id(r) in live and r.phase != "held"]
+        return [r for r in affected if id(r) in live and r.phase is not Phase.HELD]
 
     def _trigger_cleared(self, edge: Edge) -> bool:
         """Would admission's own checks let this upstream's work run again?"""
@@ -250,7 +250,7 @@ class UpstreamReclaim:
         for reservation in unproved:
             self._ledger.hold(reservation, f"cancelling its upstream job failed: {report.error}")
         for reservation in affected:
-            if not report.error and reservation.phase == "tracking":
+            if not report.error and reservation.phase is Phase.TRACKING:
                 self._ledger.release(reservation)
         await self._cancel_late_submissions(affected, report.not_found)
 
@@ -263,7 +263,7 @@ class UpstreamReclaim:
         cancelled for a few polls after the first pass found nothing under it.
         """
         actions = self.adapter.actions
-        cut_early = {i for r in affected if r.phase != "tracking" for i in r.job_ids}
+        cut_early = {i for r in affected if r.phase is not Phase.TRACKING for i in r.job_ids}
         missing = frozenset(set(not_found) & cut_early)
         for _ in range(LATE_CANCEL_ATTEMPTS):
             if not missing or actions is None:
@@ -297,6 +297,8 @@ class UpstreamReclaim:
         ]
         before = {name: self._free_bytes(name) for name in gpus}
         started = trio.current_time()
+        # Whatever the unload does, residency read before it proves nothing any more.
+        self._ledger.note_yield(self._resources)
         report = await actions.unload(self._context(), ours)
         if not (report.error or report.skipped):
             record.unload_requested_at = trio.current_time()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -19,16 +19,19 @@ import trio
 from vacancyd.adapters import adapter_for
 from vacancyd.admission import Admission, Ledger
 from vacancyd.api.app import create_api_app
+from vacancyd.api.status import status_document
 from vacancyd.auth import Authenticator, read_token_file
 from vacancyd.collect.calibration_store import CalibrationStore
-from vacancyd.collect.listeners import run_listener_watch
+from vacancyd.collect.listeners import SCAN_EVERY_S, run_listener_watch
 from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure import PressureCollector
 from vacancyd.collect.system import run_system_collector
 from vacancyd.config import Config, parse_listen, parse_target, resolve_state_dir
 from vacancyd.decisions import DecisionLog
 from vacancyd.errors import StartupError
+from vacancyd.footprint.book import FootprintBook
 from vacancyd.model import ResourceKind
+from vacancyd.operations import Operations
 from vacancyd.persist import ensure_private_dir
 from vacancyd.presence.backends import choose_backend
 from vacancyd.presence.loop import run_presence
@@ -126,12 +129,14 @@ async def run_daemon(
     extra_components: dict[str, Component] | None = None,
     handle_signals: bool = True,
     stop: trio.Event | None = None,
+    environ: Mapping[str, str] | None = None,
     task_status: trio.TaskStatus[SharedState] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run vacancyd until `stop` is set (or SIGTERM/SIGINT), then shut down gracefully.
 
     Shutdown is bounded: listeners get `shutdown_grace_s` to finish in-flight responses,
-    after which everything left is cancelled.
+    after which everything left is cancelled. systemd's variables ($NOTIFY_SOCKET,
+    $WATCHDOG_USEC) are read from `environ`, the process environment by default.
     """
     stop = stop if stop is not None else trio.Event()
     state_dir = resolve_state_dir(config)
@@ -149,16 +154,28 @@ async def run_daemon(
     auth = Authenticator(config.auth)
     limits = config.server.limits
     grace = config.server.shutdown_grace_s
+    ops = Operations(config, environ)
+    poll, deadline = config.server.poll_interval_s, config.server.probe_deadline_s
 
-    async with open_upstream_client(limits) as client, trio.open_nursery() as root:
+    async with ops.open(), open_upstream_client(limits) as client, trio.open_nursery() as root:
         supervisor = Supervisor(root)
         if handle_signals:
             await root.start(_watch_signals, stop)
+        await supervisor.start("debug-window", ops.debug.run)
 
         memory_and_cpu = [r for r in config.resource if r.kind is not ResourceKind.NVIDIA_GPU]
         gpus = [r for r in config.resource if r.kind is ResourceKind.NVIDIA_GPU]
+        nvml: NvmlCollector | None = None
         if gpus:
-            nvml = NvmlCollector(state, gpus, deadline_s=config.server.probe_deadline_s)
+            nvml = NvmlCollector(
+                state,
+                gpus,
+                deadline_s=config.server.probe_deadline_s,
+                # init, finding the GPUs and a sample may each take a deadline
+                heartbeat=ops.heartbeat(
+                    "collector:nvml", every_s=poll, round_within_s=3 * deadline
+                ),
+            )
             await supervisor.start("collector:nvml", nvml.run)
             pressure = PressureCollector(
                 state,
@@ -169,6 +186,11 @@ async def run_daemon(
                 CalibrationStore(state_dir, state.state_files),
                 deadline_s=config.server.probe_deadline_s,
             )
+            pressure.heartbeat = ops.heartbeat(
+                "collector:pressure",
+                every_s=pressure.poll_s,
+                round_within_s=pressure.round_within_s,
+            )
             await supervisor.start("collector:pressure", pressure.run)
         await supervisor.start(
             "collector:system",
@@ -177,6 +199,7 @@ async def run_daemon(
                 state,
                 memory_and_cpu,
                 deadline_s=config.server.probe_deadline_s,
+                heartbeat=ops.heartbeat("collector:system", every_s=poll, round_within_s=deadline),
             ),
         )
         backend = choose_backend(config.owner)
@@ -187,11 +210,20 @@ async def run_daemon(
                 state,
                 {u.name: parse_target(u.target) for u in config.upstream},
                 deadline_s=config.server.probe_deadline_s,
+                heartbeat=ops.heartbeat(
+                    "collector:listeners", every_s=SCAN_EVERY_S, round_within_s=deadline
+                ),
             ),
         )
         await supervisor.start(
             "presence",
-            partial(run_presence, state, backend, deadline_s=config.server.probe_deadline_s),
+            partial(
+                run_presence,
+                state,
+                backend,
+                deadline_s=config.server.probe_deadline_s,
+                heartbeat=ops.heartbeat("presence", every_s=poll, round_within_s=deadline),
+            ),
         )
         for name, component in (extra_components or {}).items():
             await supervisor.start(name, component)
@@ -200,6 +232,8 @@ async def run_daemon(
         reclaims: dict[str, UpstreamReclaim] = {}
         can_unload: dict[str, bool] = {}
         guards: dict[str, ListenerGuard] = {}
+        # Learned and estimated footprints, shared by every proxy (read once, here).
+        footprints = FootprintBook(state_dir, state.state_files)
         for index, upstream in enumerate(config.upstream):
             adapter = adapter_for(upstream.adapter.value)
             can_unload[upstream.name] = adapter.actions is not None and upstream.yield_on_veto
@@ -212,7 +246,17 @@ async def run_daemon(
                 if upstream.credential_file
                 else None
             )
-            app = ProxyApp(upstream, adapter, admission, auth, limits, client, credential)
+            app = ProxyApp(
+                upstream,
+                adapter,
+                admission,
+                auth,
+                limits,
+                client,
+                credential,
+                state_dir,
+                footprints,
+            )
             app.background = background
             reclaims[upstream.name] = UpstreamReclaim(
                 upstream, adapter, state, ledger, client, credential
@@ -237,7 +281,18 @@ async def run_daemon(
                 ),
             )
         guards["api"] = ListenerGuard(limits)
-        api = create_api_app(state, ledger, decisions, auth, can_unload, guards, reclaims)
+        api = create_api_app(
+            state,
+            ledger,
+            decisions,
+            auth,
+            can_unload,
+            guards,
+            reclaims,
+            admission=admission,
+            operator=ops.tools(nvml),
+            footprints=footprints,
+        )
         state.listeners["api"] = await supervisor.start(
             "api",
             partial(
@@ -259,6 +314,15 @@ async def run_daemon(
             "; ".join(
                 f"{u.name} on {', '.join(state.listeners[u.name])} -> {u.target}"
                 for u in config.upstream
+            ),
+        )
+        await supervisor.start(
+            "service-notifications",
+            partial(
+                ops.serve_notifications,
+                supervisor.running,
+                partial(status_document, state, ledger, decisions, can_unload, guards, reclaims),
+                stop,
             ),
         )
         task_status.started(state)

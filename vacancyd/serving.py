@@ -296,6 +296,7 @@ _OVER_CAP_RESPONSE = (
     b"HTTP/1.1 503 Service Unavailable\r\n"
     b"content-type: application/json\r\n"
     b"retry-after: 1\r\n"
+    b"x-vacancyd-reason: too_many_connections\r\n"
     b"connection: close\r\n"
     b"content-length: " + str(len(_OVER_CAP_BODY)).encode() + b"\r\n\r\n" + _OVER_CAP_BODY
 )

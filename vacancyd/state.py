@@ -322,15 +322,32 @@ class SharedState:
         )
 
 
+def emergency_reserve_mib(config: ResourceConfig, observation: Observation) -> int:
+    """The floor no borrowed load may eat into, on top of what the owner keeps.
+
+    `keep_free_mib` is what the owner's own work needs; this is for what nobody planned:
+    a footprint that was estimated short, a model that grows its cache, a driver's own
+    allocations. Running a machine's memory to zero takes the owner's desktop down (an
+    OOM kill, a GPU reset), so a share of the total, with a minimum, is never lent.
+    """
+    total_mib = (observation.total_bytes or 0) // MIB
+    share = int(total_mib * config.emergency_reserve_pct / 100)
+    return min(max(share, config.emergency_reserve_min_mib), total_mib)
+
+
 def _apply_policy(config: ResourceConfig, observation: Observation) -> tuple[bool, str, int | None]:
     """The resource's capacity policy: (lendable, why not, MiB spare for a borrowed model)."""
     problems = []
     spare: int | None = None
     if config.kind.has_bytes and observation.free_bytes is not None:
         free_mib = observation.free_bytes // MIB
-        spare = free_mib - config.keep_free_mib
+        reserve = emergency_reserve_mib(config, observation)
+        spare = free_mib - config.keep_free_mib - reserve
         if spare <= 0:
-            problems.append(f"{free_mib} MiB free, the owner keeps {config.keep_free_mib} MiB")
+            problems.append(
+                f"{free_mib} MiB free, the owner keeps {config.keep_free_mib} MiB "
+                f"and {reserve} MiB are an emergency reserve"
+            )
     limit = config.max_utilization_pct
     used = observation.utilization_pct
     if limit is not None:

@@ -19,6 +19,9 @@ release_after_s = 60.0
 name = "ram"
 kind = "memory"
 keep_free_mib = 1000
+# Exact figures in tests: no emergency floor (its own tests set one).
+emergency_reserve_pct = 0.0
+emergency_reserve_min_mib = 0
 [[resource]]
 name = "cpu"
 kind = "cpu"
@@ -27,6 +30,8 @@ max_utilization_pct = 80.0
 name = "gpu0"
 kind = "nvidia_gpu"
 device = 0
+emergency_reserve_pct = 0.0
+emergency_reserve_min_mib = 0
 [[upstream]]
 name = "llama"
 adapter = "llamacpp"
@@ -49,8 +54,9 @@ def one_upstream_config(
     head: str = "",
     poll_interval_s: float | None = 0.5,
     adapter: str = "openai",
+    name: str = "echo",
 ) -> str:
-    """A headless daemon with one memory resource and one upstream named "echo" (openai
+    """A headless daemon with one memory resource and one upstream named `name` (openai
     unless `adapter` names another).
 
     Listeners use port 0; `limits` goes under [server.limits], `upstream_extra` into the
@@ -71,7 +77,7 @@ presence = "headless"
 name = "ram"
 kind = "memory"
 [[upstream]]
-name = "echo"
+name = "{name}"
 adapter = "{adapter}"
 listen = "127.0.0.1:0"
 target = "{target}"

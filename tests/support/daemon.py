@@ -42,11 +42,16 @@ class InProcessDaemon:
 
 
 @asynccontextmanager
-async def in_process_daemon(config_text: str) -> AsyncIterator[InProcessDaemon]:
+async def in_process_daemon(
+    config_text: str, *, environ: Mapping[str, str] | None = None
+) -> AsyncIterator[InProcessDaemon]:
+    """run_daemon in this trio run; `environ` stands in for systemd's variables."""
     config = parse_config(config_text, source="<test>")
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        state = await nursery.start(partial(run_daemon, config, handle_signals=False, stop=stop))
+        state = await nursery.start(
+            partial(run_daemon, config, handle_signals=False, stop=stop, environ=environ or {})
+        )
         yield InProcessDaemon(state, stop)
         stop.set()
 
@@ -102,6 +107,9 @@ def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("VACANCYD_TOKEN", None)
+    # A test run started by systemd must not have its daemons notify (or log to) systemd.
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM"):
+        env.pop(name, None)
     env.update(extra or {})
     return env
 

@@ -35,8 +35,9 @@ def llama_paths() -> tuple[str, str]:
 
 
 @contextmanager
-def llama_server(*, slots: int = 2) -> Iterator[str]:
-    """Run llama-server with its slots and metrics endpoints on; yields its base URL."""
+def llama_server(*, slots: int = 2, extra: list[str] | None = None) -> Iterator[str]:
+    """Run llama-server with its slots and metrics endpoints on (unless `extra` turns
+    them off again); yields its base URL."""
     binary, model = llama_paths()
     process = subprocess.Popen(
         [
@@ -51,6 +52,7 @@ def llama_server(*, slots: int = 2) -> Iterator[str]:
             "--metrics",
             "--slots",
             "--no-webui",
+            *(extra or []),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

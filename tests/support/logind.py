@@ -39,6 +39,7 @@ from vacancyd.state import SharedState
 
 REPO = Path(__file__).resolve().parents[2]
 LOGIND = "org.freedesktop.login1"
+SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/login1"
 MANAGER_INTERFACE = "org.freedesktop.login1.Manager"
 SESSION_INTERFACE = "org.freedesktop.login1.Session"
@@ -99,6 +100,7 @@ class MockLogind:
         self.address = ""
         self._bus: trio.Process | None = None
         self._logind: trio.Process | None = None
+        self._systemd: trio.Process | None = None
 
     # -- the bus -------------------------------------------------------------------------
 
@@ -128,6 +130,9 @@ class MockLogind:
     async def stop_bus(self) -> None:
         """Stop logind and the bus itself: every connection to it breaks."""
         await self.stop_logind()
+        if self._systemd is not None:
+            await _stop(self._systemd)
+            self._systemd = None
         if self._bus is not None:
             await _stop(self._bus)
             self._bus = None
@@ -136,14 +141,20 @@ class MockLogind:
 
     async def start_logind(self) -> None:
         """Start the mock logind (with no sessions) and return once it owns its name."""
-        command = [dbusmock_python(), "-m", "dbusmock", "--system", "--template", "logind"]
+        self._logind = await self._start_template("logind", LOGIND)
+
+    async def start_systemd(self) -> None:
+        """Start dbusmock's systemd manager (its Version is "v246") beside logind."""
+        self._systemd = await self._start_template("systemd", SYSTEMD)
+
+    async def _start_template(self, template: str, name: str) -> trio.Process:
+        command = [dbusmock_python(), "-m", "dbusmock", "--system", "--template", template]
         env = dict(os.environ, DBUS_SYSTEM_BUS_ADDRESS=self.address)
-        log_path = self.directory / "dbusmock.log"
+        log_path = self.directory / f"dbusmock-{template}.log"
         with _append(log_path) as log:
             process = await trio.lowlevel.open_process(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env
             )
-        self._logind = process
 
         async def fail_if_it_exits() -> None:
             code = await process.wait()
@@ -151,8 +162,9 @@ class MockLogind:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fail_if_it_exits)
-            await self._wait_name(owned=True)
+            await self._wait_name(owned=True, name=name)
             nursery.cancel_scope.cancel()
+        return process
 
     async def stop_logind(self) -> None:
         """Kill the mock logind and return once the bus has dropped its name."""
@@ -172,7 +184,7 @@ class MockLogind:
         assert self._logind is not None
         self._logind.send_signal(signal.SIGCONT)
 
-    async def _wait_name(self, *, owned: bool) -> None:
+    async def _wait_name(self, *, owned: bool, name: str = LOGIND) -> None:
         rule = MatchRule(
             type="signal",
             sender="org.freedesktop.DBus",
@@ -180,14 +192,14 @@ class MockLogind:
             member="NameOwnerChanged",
             path="/org/freedesktop/DBus",
         )
-        rule.add_arg_condition(0, LOGIND)
+        rule.add_arg_condition(0, name)
         with trio.fail_after(START_TIMEOUT_S):
             async with (
                 open_dbus_router(self.address) as router,
                 router.filter(rule, bufsize=16) as changes,
             ):
                 unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(rule)))
-                reply = await router.send_and_get_reply(message_bus.NameHasOwner(LOGIND))
+                reply = await router.send_and_get_reply(message_bus.NameHasOwner(name))
                 (has_owner,) = unwrap_msg(reply)
                 if bool(has_owner) == owned:
                     return

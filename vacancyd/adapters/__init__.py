@@ -11,13 +11,14 @@ from vacancyd.adapters.actions import (
     UnloadReport,
     UpstreamContext,
 )
-from vacancyd.adapters.base import Adapter, Classification, RouteClass, WorkFacts
+from vacancyd.adapters.base import Adapter, Classification, Dialect, RouteClass, WorkFacts
 from vacancyd.adapters.registry import adapter_for
 
 __all__ = [
     "Adapter",
     "CancelReport",
     "Classification",
+    "Dialect",
     "JobState",
     "ReclaimActions",
     "RouteClass",

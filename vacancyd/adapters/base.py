@@ -12,11 +12,29 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from vacancyd.adapters.actions import ReclaimActions
+from vacancyd.adapters.residency import ResidencyProver
+
+
+class Dialect(enum.Enum):
+    """How a route's own server writes errors, so vacancyd's answers read like them.
+
+    A client parses errors the way its server writes them: the ollama client takes
+    Ollama's `{"error": "<text>"}` string, OpenAI and Anthropic SDKs lift `type`, `code`
+    and `message` from their error objects. Answering in the route's dialect is what lets
+    each client show the refusal's reason instead of a dict or a parse failure.
+    """
+
+    OPENAI = "openai"  # {"error": {"type", "code", "message"}}; SSE streams
+    ANTHROPIC = "anthropic"  # {"type": "error", "error": {...}}; SSE with `event: error`
+    OLLAMA = "ollama"  # {"error": "<text>"}; NDJSON streams
+    COMFYUI = "comfyui"  # {"error": {"type", "message", "details", ...}, "node_errors": {}}
+    CHATTERBOX = "chatterbox"  # FastAPI's {"detail": "<text>"} beside the OpenAI object
 
 
 class RouteClass(enum.Enum):
@@ -36,6 +54,8 @@ class Route:
     json_body: bool = True
     # Whether the route is a WebSocket: only these may be upgraded, and only with an upgrade.
     websocket: bool = False
+    # How the server behind this route writes errors; vacancyd's own answers follow it.
+    dialect: Dialect = Dialect.OPENAI
 
     def matches(self, method: str, path: str) -> bool:
         return method in self.methods and _pattern(self.path).fullmatch(path) is not None
@@ -55,18 +75,27 @@ def _pattern(path: str) -> re.Pattern[str]:
     return compiled
 
 
-def work(*paths: str, json_body: bool = True) -> list[Route]:
-    return [Route(frozenset({"POST"}), p, RouteClass.WORK, json_body) for p in paths]
+def work(*paths: str, json_body: bool = True, dialect: Dialect = Dialect.OPENAI) -> list[Route]:
+    return [
+        Route(frozenset({"POST"}), p, RouteClass.WORK, json_body, dialect=dialect) for p in paths
+    ]
 
 
-def reads(route_class: RouteClass, *paths: str) -> list[Route]:
-    return [Route(frozenset({"GET", "HEAD"}), p, route_class, False) for p in paths]
+def reads(route_class: RouteClass, *paths: str, dialect: Dialect = Dialect.OPENAI) -> list[Route]:
+    return [
+        Route(frozenset({"GET", "HEAD"}), p, route_class, False, dialect=dialect) for p in paths
+    ]
 
 
-def websockets(route_class: RouteClass, *paths: str) -> list[Route]:
+def websockets(
+    route_class: RouteClass, *paths: str, dialect: Dialect = Dialect.OPENAI
+) -> list[Route]:
     """WebSocket routes: opened with a GET upgrade, and tunnelled only if the upstream
     answers it with 101."""
-    return [Route(frozenset({"GET"}), p, route_class, False, websocket=True) for p in paths]
+    return [
+        Route(frozenset({"GET"}), p, route_class, False, websocket=True, dialect=dialect)
+        for p in paths
+    ]
 
 
 @attrs.frozen
@@ -115,9 +144,20 @@ class Adapter:
     # address, so a browser's Origin or Sec-Fetch-Site no longer matches what the upstream
     # sees; an upstream with a CSRF check on those headers would refuse every browser client.
     drop_request_headers: frozenset[bytes] = frozenset()
+    # How the server proves it holds a request's model (None: it cannot, so every request
+    # is charged its full footprint). Built per upstream with the file where what it
+    # learns is kept, if it learns anything.
+    residency: Callable[[Path | None], ResidencyProver] | None = None
     # Whether cutting the connection stops the upstream's work. Where it does not (generic
     # servers that finish detached work), a job cut by reclaim is held until proven stopped.
     stops_on_disconnect: bool = True
+    # The dialect of vacancyd's answers on paths no route lists (a 501, a 403).
+    dialect: Dialect = Dialect.OPENAI
+
+    def dialect_for(self, found: Classification) -> Dialect:
+        """The dialect of an answer to a classified request: its route's, else the
+        adapter's own."""
+        return found.route.dialect if found.route is not None else self.dialect
 
     def classify(self, method: str, raw_path: bytes, query: bytes) -> Classification:
         try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vacancyd.adapters.base import Adapter, RouteClass, reads, work
+from vacancyd.adapters.base import Adapter, Dialect, RouteClass, reads, work
 
 
 def _aliases(path: str, *others: str) -> tuple[str, ...]:
@@ -96,15 +96,20 @@ def refuse_long_job(path: str, body: Mapping[str, Any]) -> str | None:
     return None
 
 
+# Both servers are FastAPI apps: errors carry "detail" (travisvn's nests an OpenAI-style
+# error object in it), and their /v1 routes are called by OpenAI SDKs.
+NATIVE = Dialect.CHATTERBOX
+
 CHATTERBOX = Adapter(
     stops_on_disconnect=False,
     name="chatterbox",
     routes=(
-        *work(*_WORK_JSON, *LONG_JOB_PATHS),
-        *work(*_WORK_MULTIPART, json_body=False),
-        *reads(RouteClass.PASS, *_PASS),
-        *reads(RouteClass.MANAGEMENT, *_MANAGEMENT),
+        *work(*_WORK_JSON, *LONG_JOB_PATHS, dialect=NATIVE),
+        *work(*_WORK_MULTIPART, json_body=False, dialect=NATIVE),
+        *reads(RouteClass.PASS, *_PASS, dialect=NATIVE),
+        *reads(RouteClass.MANAGEMENT, *_MANAGEMENT, dialect=NATIVE),
     ),
+    dialect=NATIVE,
     health_paths=frozenset({"/health", "/v1/health", "/ping"}),
     refuse_body=refuse_long_job,
     # devnen has POST /api/unload but travisvn has no way to free the model, so unloading

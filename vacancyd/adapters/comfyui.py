@@ -26,6 +26,7 @@ from typing import Any
 
 from vacancyd.adapters.base import (
     Adapter,
+    Dialect,
     Route,
     RouteClass,
     WorkFacts,
@@ -34,6 +35,7 @@ from vacancyd.adapters.base import (
     work,
 )
 from vacancyd.adapters.comfyui_actions import ComfyUIActions
+from vacancyd.adapters.comfyui_residency import ComfyUIResidency
 
 
 def _both(*paths: str) -> tuple[str, ...]:
@@ -42,9 +44,11 @@ def _both(*paths: str) -> tuple[str, ...]:
 
 
 WORK_PATHS = _both("/prompt")
+# ComfyUI's own error shape: {"error": {"type", "message", "details", "extra_info"}, ...}.
+NATIVE = Dialect.COMFYUI
 
 _ROUTES: tuple[Route, ...] = (
-    *work(*WORK_PATHS),
+    *work(*WORK_PATHS, dialect=NATIVE),
     *reads(
         RouteClass.PASS,
         *_both(
@@ -58,13 +62,15 @@ _ROUTES: tuple[Route, ...] = (
             "/features",
             "/view_metadata/{folder}",
         ),
+        dialect=NATIVE,
     ),
     *reads(
         RouteClass.RESULTS,
         *_both("/history/{prompt_id}", "/view", "/api/jobs/{job_id}"),
+        dialect=NATIVE,
     ),
     # Progress events for the borrower's own prompts (picked by its clientId).
-    *websockets(RouteClass.RESULTS, *_both("/ws")),
+    *websockets(RouteClass.RESULTS, *_both("/ws"), dialect=NATIVE),
     *reads(
         RouteClass.MANAGEMENT,
         *_both(
@@ -84,6 +90,7 @@ _ROUTES: tuple[Route, ...] = (
         "/internal/logs/raw",
         "/internal/folder_paths",
         "/internal/files/{directory_type}",
+        dialect=NATIVE,
     ),
 )
 
@@ -164,4 +171,6 @@ COMFYUI = Adapter(
     # ComfyUI refuses (bare 403) a request whose Origin host differs from a loopback Host,
     # and newer builds refuse Sec-Fetch-Site: cross-site; behind the proxy both always differ.
     drop_request_headers=frozenset({b"origin", b"sec-fetch-site"}),
+    dialect=NATIVE,
+    residency=lambda _learned_in: ComfyUIResidency(),
 )

@@ -7,7 +7,8 @@ and counts as management too.
 
 from __future__ import annotations
 
-from vacancyd.adapters.base import Adapter, RouteClass, reads, work
+from vacancyd.adapters.base import Adapter, Dialect, RouteClass, reads, work
+from vacancyd.adapters.llamacpp_residency import LlamaCppResidency
 from vacancyd.adapters.openai import OPENAI_READS, OPENAI_WORK, refuse_background_response
 
 LLAMACPP = Adapter(
@@ -19,8 +20,6 @@ LLAMACPP = Adapter(
             "/completions",
             "/chat/completions",
             "/responses",
-            "/v1/messages",
-            "/v1/messages/count_tokens",
             "/infill",
             "/embedding",
             "/embeddings",
@@ -32,10 +31,13 @@ LLAMACPP = Adapter(
             "/detokenize",
             "/apply-template",
         ),
+        # Anthropic's Messages API: its clients parse Anthropic's error shape.
+        *work("/v1/messages", "/v1/messages/count_tokens", dialect=Dialect.ANTHROPIC),
         *OPENAI_READS,
         *reads(RouteClass.PASS, "/health", "/v1/health", "/models"),
         *reads(RouteClass.MANAGEMENT, "/slots", "/props", "/metrics", "/lora-adapters"),
     ),
     health_paths=frozenset({"/health", "/v1/health"}),
     refuse_body=refuse_background_response,
+    residency=lambda _learned_in: LlamaCppResidency(),
 )

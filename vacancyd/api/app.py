@@ -13,12 +13,15 @@ from typing import Any
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from vacancyd.admission import Ledger
+from vacancyd.admission import Admission, Ledger
 from vacancyd.api.metrics import CONTENT_TYPE, VacancydCollector, open_registry, render
+from vacancyd.api.operator import OperatorTools, add_operator_routes
 from vacancyd.api.status import is_ready, status_document
+from vacancyd.api.vacancy import add_vacancy_route
 from vacancyd.auth import Authenticator
 from vacancyd.config import Scope
 from vacancyd.decisions import DecisionLog
+from vacancyd.footprint.book import FootprintBook
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
@@ -50,6 +53,9 @@ def create_api_app(
     can_unload: dict[str, bool],
     guards: dict[str, ListenerGuard] | None = None,
     reclaims: dict[str, UpstreamReclaim] | None = None,
+    operator: OperatorTools | None = None,
+    admission: Admission | None = None,
+    footprints: FootprintBook | None = None,
 ) -> QuartTrio:
     app = QuartTrio("vacancyd.api")
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
@@ -77,11 +83,21 @@ def create_api_app(
         ready = is_ready(state)
         return _json({"ready": ready}, 200 if ready else 503)
 
+    def status_now() -> dict[str, Any]:
+        return status_document(
+            state,
+            ledger,
+            decisions,
+            can_unload,
+            guards or {},
+            reclaims or {},
+            operator,
+            footprints=footprints,
+        )
+
     @app.get("/status")
     async def status() -> Response:
-        return denied(Scope.READ) or _json(
-            status_document(state, ledger, decisions, can_unload, guards or {}, reclaims or {})
-        )
+        return denied(Scope.READ) or _json(status_now())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -149,6 +165,21 @@ def create_api_app(
                 "resources": list(problem.resources),
             }
         )
+
+    if operator is not None:
+        add_operator_routes(
+            app,
+            operator,
+            denied=lambda: denied(Scope.ADMIN),
+            status=status_now,
+            config=state.config,
+            decisions=decisions,
+            reply=_json,
+            error=_error,
+        )
+
+    if admission is not None:
+        add_vacancy_route(app, state, admission, auth, reply=_json, error=_error)
 
     @app.get("/")
     async def console() -> Response:

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vacancyd.admission import Ledger
+from vacancyd.admission import Ledger, Phase
 from vacancyd.api.status import is_ready
 from vacancyd.auth import Authenticator
 from vacancyd.decisions import DecisionLog
@@ -154,21 +154,28 @@ class VacancydCollector(Collector):
             "Borrowed requests refused, by reason",
             labels=["upstream", "reason"],
         )
+        credited = CounterMetricFamily(
+            "vacancyd_admissions_credited",
+            "Borrowed requests admitted on residency credit (the server held their model)",
+            labels=["upstream"],
+        )
         for upstream in self._decisions.upstreams():
             record = self._decisions.for_upstream(upstream)
             admissions.add_metric([upstream], record.admitted)
+            credited.add_metric([upstream], record.credited)
             for reason in Reason:
                 refusals.add_metric([upstream, reason.value], record.refused.get(reason.value, 0))
         yield admissions
+        yield credited
         yield refusals
         active = GaugeMetricFamily(
             "vacancyd_active_work", "Admission ledger entries", labels=["upstream", "phase"]
         )
         entries = self._ledger.statistics().entries
         for upstream in self._decisions.upstreams():
-            for phase in ("forwarding", "tracking", "held"):
-                count = sum(1 for e in entries if e.upstream == upstream and e.phase == phase)
-                active.add_metric([upstream, phase], count)
+            for phase in (Phase.FORWARDING, Phase.TRACKING, Phase.HELD):
+                count = sum(1 for e in entries if e.upstream == upstream and e.phase is phase)
+                active.add_metric([upstream, phase.value], count)
         yield active
         auth = CounterMetricFamily(
             "vacancyd_auth", "Authentication decisions", labels=["scope", "outcome"]
@@ -212,7 +219,7 @@ class VacancydCollector(Collector):
         )
         held: dict[str, int] = {name: 0 for name in self._decisions.upstreams()}
         for entry in self._ledger.statistics().entries:
-            if entry.phase == "held":
+            if entry.phase is Phase.HELD:
                 held[entry.upstream] = held.get(entry.upstream, 0) + 1
         for name, count in sorted(held.items()):
             holds.add_metric([name], count)

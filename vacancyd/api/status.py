@@ -13,10 +13,12 @@ import trio
 
 import vacancyd
 from vacancyd.admission import Ledger, Reservation
+from vacancyd.api.operator import OperatorTools, operator_status
 from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
+from vacancyd.footprint.book import FootprintBook
 from vacancyd.gate import owner_refusal, resource_refusal
-from vacancyd.model import OwnerScope, Quality, Refuse, ResourceKind
+from vacancyd.model import OwnerScope, Quality, Refuse, Residency, ResourceKind
 from vacancyd.persist import StateFileProblem
 from vacancyd.reclaim import ReclaimRecord, UpstreamReclaim
 from vacancyd.serving import ListenerGuard
@@ -56,6 +58,8 @@ def status_document(
     adapters_can_unload: dict[str, bool],
     guards: dict[str, ListenerGuard] | None = None,
     reclaims: dict[str, UpstreamReclaim] | None = None,
+    operator: OperatorTools | None = None,
+    footprints: FootprintBook | None = None,
 ) -> dict[str, Any]:
     guards = guards or {}
     reclaims = reclaims or {}
@@ -113,6 +117,8 @@ def status_document(
         },
         "collectors": dict(state.collector_notes),
         "state_files": [_state_file(problem) for problem in state.state_files.problems],
+        "learned_footprints": footprints.learned.snapshot() if footprints else {},
+        **operator_status(operator, now),
     }
 
 
@@ -225,7 +231,7 @@ def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict
 def _reservation(reservation: Reservation, now: float) -> dict[str, Any]:
     return {
         "job_id": reservation.job_id,
-        "phase": reservation.phase,
+        "phase": reservation.phase.value,
         "model": reservation.model,
         "resources": list(reservation.resources),
         "running_s": _round(now - reservation.started_at),
@@ -242,6 +248,22 @@ def _decisions(decisions: DecisionLog, upstream: str, now: float) -> dict[str, A
         "refused": dict(record.refused),
         "last_decision": _record(record.last, now),
         "last_refusal": _record(record.last_refusal, now),
+        "residency": _residency(record.residency, record.credited, now),
+    }
+
+
+def _residency(residency: Residency | None, credited: int, now: float) -> dict[str, Any]:
+    """What the upstream last proved it holds (read only when a request needed credit)."""
+    if residency is None:
+        return {"proved": None, "credited_admissions": credited}
+    return {
+        "proved": residency.resident,
+        "model": residency.model,
+        "source": residency.source,
+        "age_s": _round(now - residency.taken_at),
+        "slots": residency.slots,
+        "detail": residency.detail,
+        "credited_admissions": credited,
     }
 
 

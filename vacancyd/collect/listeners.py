@@ -21,7 +21,8 @@ import trio
 
 from vacancyd.collect.attribution import ListenSocket, normalise_address, read_listen_sockets
 from vacancyd.config import Target, is_loopback_host
-from vacancyd.probe import run_probe
+from vacancyd.liveness import Heartbeat
+from vacancyd.probe import ProbeTimeout, run_probe
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -47,16 +48,24 @@ async def run_listener_watch(
     targets: dict[str, Target],
     *,
     deadline_s: float,
+    heartbeat: Heartbeat | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Re-read the socket table every SCAN_EVERY_S; started after the first reading."""
+    """Re-read the socket table every SCAN_EVERY_S; started after the first reading.
+
+    `heartbeat` beats for every read that answered, even with an error; not on a timeout.
+    """
     started = False
     while True:
+        answered = True
         try:
             sockets = await run_probe(read_listen_sockets, deadline_s)
         except Exception as exc:  # psutil.Error, OSError or the probe's timeout
             log.debug("cannot read the listening sockets: %s", exc)
             sockets = None
+            answered = not isinstance(exc, ProbeTimeout)
+        if answered and heartbeat is not None:
+            heartbeat.beat()
         for name, target in targets.items():
             found = "unknown" if sockets is None else listener_state(target, sockets)
             if found == "listens_on_network" and state.listener_states.get(name) != found:

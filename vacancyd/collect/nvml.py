@@ -37,6 +37,7 @@ import pynvml
 import trio
 
 from vacancyd.config import ResourceConfig
+from vacancyd.liveness import Heartbeat
 from vacancyd.model import Observation, ResourceKind
 from vacancyd.probe import ProbeTimeout, run_probe
 from vacancyd.state import SharedState
@@ -480,9 +481,11 @@ class NvmlCollector:
         *,
         deadline_s: float,
         library: NvmlLibrary | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self._state = state
         self._deadline_s = deadline_s
+        self._heartbeat = heartbeat
         self._library = library or NvmlLibrary()
         self._gpus: list[_Gpu] = []
         for config in gpus:
@@ -535,6 +538,10 @@ class NvmlCollector:
                 await self._release()
 
     async def _poll(self, sampler: trio.Nursery, asked_at: float) -> None:
+        # Progress, for the watchdog: a poll with no call stuck in the driver. A driver
+        # that answers with errors is progress; one that stopped answering is a wedge.
+        if self._heartbeat is not None and not self._stuck_in_driver():
+            self._heartbeat.beat()
         if not self._gpus:
             return
         for gpu in self._gpus:
@@ -686,6 +693,11 @@ class NvmlCollector:
             await self._stop_session()
         elif self._held:
             log.warning("leaving NVML initialised: a call is still stuck in the driver")
+
+    def _stuck_in_driver(self) -> bool:
+        """Whether a call abandoned at its deadline has still not returned, on any lane."""
+        lanes = (self._library_lane, *self._device_lanes.values())
+        return any(lane.stuck_since() is not None for lane in lanes)
 
     def _quiet(self, *, ignore_sampling: bool = False) -> bool:
         """No NVML call in flight anywhere, abandoned or not."""

@@ -33,6 +33,7 @@ from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure_guard import PressureGuard, build_threshold
 from vacancyd.collect.threshold import LearnedThreshold
 from vacancyd.config import PressureConfig, ResourceConfig, Target
+from vacancyd.liveness import Heartbeat
 from vacancyd.probe import ProbeTimeout, run_probe
 from vacancyd.state import SharedState
 
@@ -69,8 +70,11 @@ class PressureCollector:
         store: CalibrationStore | None,
         *,
         deadline_s: float,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self._state = state
+        # Public so the service can size its bound from this collector's own cadence.
+        self.heartbeat = heartbeat
         self._gpus = [gpu for gpu in gpus if pressure_config(gpu) is not None]
         self._targets = targets
         self._nvml = nvml
@@ -90,11 +94,25 @@ class PressureCollector:
     @property
     def poll_s(self) -> float:
         configs = [pressure_config(gpu) for gpu in self._gpus]
-        return min(config.poll_ms for config in configs if config is not None) / 1000.0
+        polls = [config.poll_ms for config in configs if config is not None]
+        return min(polls, default=PressureConfig().poll_ms) / 1000.0
+
+    @property
+    def round_within_s(self) -> float:
+        """The longest a round whose probes all answer may take: each GPU's two NVML
+        reads, the processes' start times and the upstreams' process trees, in sequence."""
+        return (2 * len(self._gpus) + 2) * self._deadline_s
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Poll until cancelled; started after the first round. Saves calibration on exit."""
+        """Poll until cancelled; started after the first round. Saves calibration on exit.
+
+        `heartbeat` beats after every completed round (and save). This loop's own wedges
+        are a save or load that never returns; its NVML reads go through the NVML
+        collector's lanes, whose stuck calls that collector's heartbeat reports.
+        """
         if not self._gpus:
+            if self.heartbeat is not None:
+                self.heartbeat.retire()
             task_status.started()
             await trio.sleep_forever()
         if self._store is not None:
@@ -108,6 +126,8 @@ class PressureCollector:
                     task_status.started()
                     started = True
                 await self._maybe_save(began)
+                if self.heartbeat is not None:
+                    self.heartbeat.beat()
                 await trio.sleep_until(began + self.poll_s)
         finally:
             with trio.CancelScope(shield=True):

@@ -14,6 +14,7 @@ import psutil
 import trio
 
 from vacancyd.config import ResourceConfig
+from vacancyd.liveness import Heartbeat
 from vacancyd.model import Observation, ResourceKind
 from vacancyd.probe import ProbeTimeout, run_probe
 from vacancyd.state import SharedState
@@ -72,13 +73,15 @@ async def run_system_collector(
     *,
     deadline_s: float,
     probe: SystemProbe | None = None,
+    heartbeat: Heartbeat | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Sample memory and CPU every poll interval, or sooner when a sample is requested.
 
     Reports started after the first attempt, successful or not, so start-up never waits
     on a hung probe. Runs until cancelled; a failed or late sample marks the resources
-    unavailable and the old reading ages out to stale on its own.
+    unavailable and the old reading ages out to stale on its own. `heartbeat` beats for
+    every probe that answered, with a reading or an error, and not for one that overran.
     """
     probe = probe or SystemProbe()
     names = [r.name for r in resources if r.kind in (ResourceKind.MEMORY, ResourceKind.CPU)]
@@ -98,9 +101,13 @@ async def run_system_collector(
             for name in names:
                 state.mark_unavailable(name, f"psutil failed: {exc}")
             log.warning("system capacity probe failed: %s", exc)
+            if heartbeat is not None:
+                heartbeat.beat()
         else:
             for observation in observations_from(reading, resources, asked_at):
                 state.record_observation(observation)
+            if heartbeat is not None:
+                heartbeat.beat()
         if not started:
             task_status.started()
             started = True

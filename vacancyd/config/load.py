@@ -30,6 +30,8 @@ from vacancyd.errors import ConfigError
 from vacancyd.model import ResourceKind
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# An origin as a browser sends it: scheme, host and optional port, nothing after them.
+_ORIGIN = re.compile(r"^https?://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(:[0-9]{1,5})?$", re.IGNORECASE)
 
 
 def _make_repr() -> reprlib.Repr:
@@ -299,6 +301,10 @@ def _upstream_problems(
         elif name in seen:
             yield f"{where}.also_requires[{position}]: resource {name!r} is listed twice"
         seen.add(name)
+    for position, origin in enumerate(upstream.cors_allow_origins):
+        problem = _origin_problem(origin)
+        if problem:
+            yield f"{where}.cors_allow_origins[{position}]: {problem}"
     footprints = {"default_need_mib": upstream.default_need_mib}
     footprints.update({f'models."{m}".need_mib': c.need_mib for m, c in upstream.models.items()})
     for key, table in footprints.items():
@@ -312,6 +318,20 @@ def _upstream_problems(
                 yield f'{where}.{key}."{resource_name}": a cpu resource has no MiB to charge'
             if mib < 0:
                 yield f'{where}.{key}."{resource_name}": must be at least 0, got {mib}'
+
+
+def _origin_problem(origin: str) -> str:
+    """Why a `cors_allow_origins` entry is not one origin a browser could send, if so."""
+    if origin.strip() in ("*", "null"):
+        return (
+            f"{origin.strip()!r} is not allowed: it would let pages of any site (or sandboxed "
+            "pages) use this server from a visitor's browser; list each origin"
+        )
+    if _ORIGIN.match(origin):
+        return ""
+    if re.match(r"^https?://[^/]+/", origin, re.IGNORECASE):
+        return f"{origin!r} is not an origin: write it without a path, e.g. 'https://app.example'"
+    return f"{origin!r} is not an origin: expected 'http(s)://host' or 'http(s)://host:port'"
 
 
 def _token_problems(

@@ -11,7 +11,7 @@ import enum
 
 import attrs
 
-from vacancyd.model import OwnerScope, ResourceKind
+from vacancyd.model import OwnerScope, Reason, ResourceKind
 
 
 def _ge(bound: float) -> dict[str, float]:
@@ -156,6 +156,10 @@ class ResourceConfig:
     # ... and the utilisation above which the resource is not lent (cpu, nvidia_gpu).
     max_utilization_pct: float | None = attrs.field(default=None, metadata=_gt(0))
     pressure: PressureConfig | None = None
+    # An emergency floor no borrowed load may eat into, on top of keep_free_mib (memory,
+    # nvidia_gpu): this share of the total, but at least emergency_reserve_min_mib.
+    emergency_reserve_pct: float = attrs.field(default=10.0, metadata=_ge(0))
+    emergency_reserve_min_mib: int = attrs.field(default=2048, metadata=_ge(0))
 
 
 @attrs.frozen
@@ -182,9 +186,18 @@ class UpstreamConfig:
     forward_authorization: bool = False
     # A file holding the credential vacancyd presents to the upstream itself.
     credential_file: str | None = None
+    # Browser origins ("https://app.example") whose pages may call this upstream; their
+    # CORS preflights are answered with allow headers. Empty: none may.
+    cors_allow_origins: list[str] = attrs.Factory(list)
+    # Refusal reasons that tell SDK clients to retry in place (x-should-retry: true); every
+    # other refusal says false, so the client fails over instead of sleeping Retry-After.
+    retry_in_place: list[Reason] = attrs.Factory(lambda: [Reason.RESOURCE_BUSY])
     default_need_mib: dict[str, int] = attrs.Factory(dict)
     models: dict[str, ModelConfig] = attrs.Factory(dict)
     resident_min_free_mib: int = attrs.field(default=0, metadata=_ge(0))
+    # Most borrowed requests served at once on a model the upstream proved resident. Unset:
+    # what the server reports (llama.cpp's slots), else 1.
+    max_concurrent: int | None = attrs.field(default=None, metadata=_ge(1))
 
 
 @attrs.frozen

@@ -6,6 +6,7 @@ import logging
 
 import trio
 
+from vacancyd.liveness import Heartbeat
 from vacancyd.presence.backends import Backend, WatchingBackend
 from vacancyd.state import SharedState
 
@@ -34,6 +35,7 @@ async def run_presence(
     backend: Backend,
     *,
     deadline_s: float,
+    heartbeat: Heartbeat | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Read presence every poll interval, and at once when the backend rings; runs forever.
@@ -43,7 +45,8 @@ async def run_presence(
     a read causes another one rather than being lost. A read that overruns its deadline is
     discarded. When no reading has arrived for longer than the freshness bound, the owner
     veto engages: silence is treated as the owner coming back, never as the owner being
-    away. Reports started after the first read was recorded (or discarded).
+    away. Reports started after the first read was recorded (or discarded). `heartbeat`
+    beats for every read that answered in time (an unreadable session is an answer).
     """
     state.presence_backend = backend.name
     state.presence_scope_note = backend.scope_note
@@ -60,6 +63,8 @@ async def run_presence(
             now = trio.current_time()
             if reading is not None:
                 state.record_presence(reading)
+                if heartbeat is not None:
+                    heartbeat.beat()
             else:
                 log.warning("presence read from %s overran %.1fs", backend.name, deadline_s)
                 last = state.presence

@@ -5,8 +5,10 @@ with no backpressure, routes on the percent-decoded path, and cuts long response
 response timeout. Every decision here is made on `raw_path`, bodies are read under the
 listener's limits, and responses stream for as long as the upstream produces them.
 
-Order for each request: authenticate, classify, then by class: refuse, forward
-unconditionally, or (work) read the body, admit through gate and ledger, forward, release.
+Order for each request: a CORS preflight for a forwarded route is answered at once;
+otherwise authenticate, classify, then by class: refuse, forward unconditionally, or
+(work) read the body, admit through gate and ledger, forward, release. Every answer made
+here follows the route's dialect (proxy/replies.py).
 """
 
 from __future__ import annotations
@@ -15,19 +17,24 @@ import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from vacancyd.adapters import Adapter, Classification, WorkFacts
 from vacancyd.adapters.actions import UpstreamContext
-from vacancyd.admission import Admission, Reservation
+from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
+from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, UpstreamConfig, parse_target
 from vacancyd.errors import UpstreamUnavailable
-from vacancyd.model import MIB, Refuse
+from vacancyd.footprint.book import FootprintBook
+from vacancyd.model import MIB, Refuse, Residency
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
-from vacancyd.proxy.forward import DisconnectWatch, Relay, open_upstream
+from vacancyd.proxy.cors import cross_origin_send, preflight_answer
+from vacancyd.proxy.dialects import StreamTail, stream_error
+from vacancyd.proxy.forward import DisconnectWatch, Relay, UpstreamResponse, open_upstream
 from vacancyd.proxy.headers import header_value, request_headers
 from vacancyd.proxy.policy import (
     Refusal,
@@ -35,12 +42,19 @@ from vacancyd.proxy.policy import (
     asks_for_websocket,
     front_door,
     is_chunked,
+    preflight,
 )
-from vacancyd.proxy.replies import send_error, send_refusal
+from vacancyd.proxy.replies import Replies
 from vacancyd.proxy.tracking import track_job
 from vacancyd.serving import StreamCut
 
 log = logging.getLogger(__name__)
+
+# How long a load's footprint may wait for the reading taken after it.
+MEASURE_WITHIN_S = 15.0
+
+# How long a cut stream's final error frame may take to send before the break.
+FINAL_FRAME_TIMEOUT_S = 1.0
 
 
 class ProxyApp:
@@ -53,6 +67,8 @@ class ProxyApp:
         limits: LimitsConfig,
         client: Any,
         credential: str | None = None,
+        learned_dir: Path | None = None,
+        footprints: FootprintBook | None = None,
     ) -> None:
         self.upstream = upstream
         self.adapter = adapter
@@ -64,8 +80,15 @@ class ProxyApp:
         self._credential = credential
         self._max_body = limits.max_request_body_mib * MIB
         self.budget = BodyBudget(limits.buffered_budget_mib * MIB)
+        self.cors_origins = frozenset(o.lower() for o in upstream.cors_allow_origins)
+        self._retry_in_place = frozenset(upstream.retry_in_place)
         # Where tracking tasks for jobs that outlive their request run (set by the service).
         self.background: trio.Nursery | None = None
+        self.footprints = footprints
+        self.residency: ResidencyWatch | None = None
+        if adapter.residency is not None:
+            learned_in = learned_dir / f"residency-{upstream.name}.json" if learned_dir else None
+            self.residency = ResidencyWatch(adapter.residency(learned_in), self.context())
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
@@ -88,40 +111,59 @@ class ProxyApp:
             headers,
             websocket=asks_for_websocket(method, headers),
         )
+        asked = preflight(head, self.adapter, self.upstream.management)
+        if asked is not None:
+            answer = preflight_answer(asked.found, headers, self.cors_origins)
+            if _has_body(headers):  # browsers send none; never reuse a connection after one
+                answer.append((b"connection", b"close"))
+            await send({"type": "http.response.start", "status": 204, "headers": answer})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        origin = header_value(headers, b"origin")
+        if origin is not None:
+            send = cross_origin_send(send, origin, self.cors_origins)
+        replies = self._replies(send, head)
         verdict = self._auth.check_borrower(headers, scope.get("client"))
-        decision = front_door(head, self.adapter, self.upstream.management, verdict)
+        decision = front_door(
+            head, self.adapter, self.upstream.management, verdict, self.cors_origins
+        )
         if isinstance(decision, Refusal):
             extra: dict[str, Any] = {}
             if decision.allowed_reads is not None:
                 extra["allowed_reads"] = list(decision.allowed_reads)
-            await send_error(send, decision.status, decision.code, decision.message, **extra)
+            await replies.error(decision.status, decision.code, decision.message, **extra)
             return
         if decision.gated:
-            await self._work(decision.found, scope, receive, send)
+            await self._work(decision.found, scope, receive, replies)
         else:
-            await self._pass(decision.found, scope, receive, send)
+            await self._pass(decision.found, scope, receive, replies)
+
+    def _replies(self, send: Any, head: RequestHead) -> Replies:
+        """How this request is answered by vacancyd itself: in its route's dialect."""
+        found = self.adapter.classify(head.method, head.raw_path, head.query)
+        return Replies(send, self.adapter.dialect_for(found), self._retry_in_place)
 
     async def _pass(
-        self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
+        self, found: Classification, scope: dict[str, Any], receive: Any, replies: Replies
     ) -> None:
-        async with self._buffered_body(scope, receive, send) as body:
+        async with self._buffered_body(scope, receive, replies) as body:
             if body is None:
                 return
-            await self._forward(found, scope, receive, send, body, reservation=None)
+            await self._forward(found, scope, receive, replies, body, reservation=None)
 
     async def _work(
-        self, found: Classification, scope: dict[str, Any], receive: Any, send: Any
+        self, found: Classification, scope: dict[str, Any], receive: Any, replies: Replies
     ) -> None:
         # Judge what can be judged without the body first: a request that will be refused
         # anyway is refused before its body is read (and before `100 Continue`).
         early = self._admission.refusal_before_body(self.upstream)
         if early is not None:
             self._log_refusal(scope, found, early)
-            await send_refusal(send, early, close=_has_body(scope["headers"]))
+            await replies.refusal(early, close=_has_body(scope["headers"]))
             return
-        async with self._buffered_body(scope, receive, send) as body:
+        async with self._buffered_body(scope, receive, replies) as body:
             if body is not None:
-                await self._admit_and_forward(found, scope, receive, send, body)
+                await self._admit_and_forward(found, scope, receive, replies, body)
 
     def _log_refusal(self, scope: dict[str, Any], found: Classification, refusal: Refuse) -> None:
         log.info(
@@ -134,29 +176,40 @@ class ProxyApp:
         )
 
     async def _admit_and_forward(
-        self, found: Classification, scope: dict[str, Any], receive: Any, send: Any, body: bytes
+        self,
+        found: Classification,
+        scope: dict[str, Any],
+        receive: Any,
+        replies: Replies,
+        body: bytes,
     ) -> None:
         facts = WorkFacts(model=None)
+        parsed: Mapping[str, Any] = {}
         if found.route is not None and found.route.json_body:
-            parsed = _parse_json_object(body)
-            if isinstance(parsed, str):
-                await send_error(send, 400, "invalid_json", parsed)
+            document = _parse_json_object(body)
+            if isinstance(document, str):
+                await replies.error(400, "invalid_json", document)
                 return
+            parsed = document
             refusal = self.adapter.refuse_body and self.adapter.refuse_body(found.path, parsed)
             if refusal:
-                await send_error(send, 400, "not_lendable", refusal)
+                await replies.error(400, "not_lendable", refusal)
                 return
             facts = self.adapter.describe_work(found.path, parsed)
             if facts.replacement is not None:
                 body = json.dumps(facts.replacement).encode()
-        outcome = await self._admission.admit(self.upstream, facts.model, facts.job_ids)
+        request = WorkRequest(facts.model, found.path, parsed)
+        hint = await self.footprints.hint(self.upstream, facts.model) if self.footprints else None
+        outcome = await self._admission.admit(
+            self.upstream, facts.model, facts.job_ids, prove=self._prover(request), hint=hint
+        )
         if isinstance(outcome, Refuse):
             self._log_refusal(scope, found, outcome)
-            await send_refusal(send, outcome)
+            await replies.refusal(outcome)
             return
         status: int | None = None
         try:
-            status = await self._forward(found, scope, receive, send, body, reservation=outcome)
+            status = await self._forward(found, scope, receive, replies, body, reservation=outcome)
         finally:
             actions = self.adapter.actions
             if (
@@ -178,13 +231,41 @@ class ProxyApp:
                 )
             else:
                 self._admission.release(outcome)
+            if status is not None and 200 <= status < 300 and not outcome.shared:
+                self._learn_after_load(request, outcome)
+
+    def _prover(self, request: WorkRequest) -> Prove | None:
+        watch = self.residency
+        if watch is None:
+            return None
+
+        async def prove(not_before: float) -> Residency:
+            return await watch.prove(request, not_before)
+
+        return prove
+
+    def _learn_after_load(self, request: WorkRequest, job: Reservation) -> None:
+        """A request that may have loaded its model was served: learn, in the background
+        (the borrower does not wait), how such requests load and what the load took."""
+        if self.background is None:
+            return
+        if self.residency is not None:
+            self.background.start_soon(self.residency.learn, request)
+        if self.footprints is not None and job.free_before_mib:
+            self.background.start_soon(self._measure_load, job)
+
+    async def _measure_load(self, job: Reservation) -> None:
+        assert self.footprints is not None
+        fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
+        for resource, mib in fell.items():
+            self.footprints.measure(self.upstream.name, job.model, resource, mib)
 
     def context(self) -> UpstreamContext:
         return UpstreamContext(self._client, self.target, self._credential)
 
     @asynccontextmanager
     async def _buffered_body(
-        self, scope: dict[str, Any], receive: Any, send: Any
+        self, scope: dict[str, Any], receive: Any, replies: Replies
     ) -> AsyncIterator[bytes | None]:
         """The request body, or None once a refusal has been sent.
 
@@ -198,8 +279,7 @@ class ProxyApp:
             yield b""
             return
         if declared_size is not None and declared_size > self._max_body:
-            await send_error(
-                send,
+            await replies.error(
                 413,
                 "body_too_large",
                 f"request body of {declared_size} bytes exceeds the "
@@ -211,8 +291,7 @@ class ProxyApp:
             return
         reserved = declared_size if declared_size is not None else self._max_body
         if not self.budget.try_reserve(reserved):
-            await send_error(
-                send,
+            await replies.error(
                 503,
                 "body_budget_exhausted",
                 "this listener is holding as many request bodies as it may; retry shortly",
@@ -229,7 +308,7 @@ class ProxyApp:
             except ClientGone:
                 pass
             except BodyError as exc:
-                await send_error(send, exc.status, exc.code, str(exc), close=True)
+                await replies.error(exc.status, exc.code, str(exc), close=True)
                 if exc.status == 413:
                     await self._drain(receive)
             yield body
@@ -246,7 +325,7 @@ class ProxyApp:
         found: Classification,
         scope: dict[str, Any],
         receive: Any,
-        send: Any,
+        replies: Replies,
         body: bytes,
         reservation: Reservation | None,
     ) -> int | None:
@@ -268,8 +347,8 @@ class ProxyApp:
         if reservation is not None:
             self._admission.attach(reservation, relay)
         watch = DisconnectWatch(receive, relay.scope)
-        started = False
-        status: int | None = None
+        response: UpstreamResponse | None = None
+        tail = StreamTail()
         with relay.scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch.run)
@@ -286,42 +365,13 @@ class ProxyApp:
                 except UpstreamUnavailable as exc:
                     log.warning("upstream %s unavailable: %s", self.upstream.name, exc)
                     watch.finishing = True
-                    await send_error(
-                        send, 502, "upstream_unavailable", "the upstream did not answer"
-                    )
+                    await replies.error(502, "upstream_unavailable", "the upstream did not answer")
                     nursery.cancel_scope.cancel()
                     return None
-                status = response.status
-                chunks_in, chunks_out = trio.open_memory_channel[bytes](1)
-                nursery.start_soon(response.pump, chunks_in)
-                try:
-                    await send(
-                        {
-                            "type": "http.response.start",
-                            "status": response.status,
-                            "headers": response.headers,
-                        }
-                    )
-                    started = True
-                    async for chunk in chunks_out:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    if response.failure is not None:
-                        raise response.failure
-                    watch.finishing = True
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except Exception as exc:
-                    # After the headers there is no honest way to report an error except to
-                    # break the stream, so the borrower never mistakes it for a clean end.
-                    log.warning(
-                        "stream from %s broke after %s: %s",
-                        self.upstream.name,
-                        "headers" if started else "request",
-                        exc,
-                    )
-                    raise UpstreamStreamBroken(str(exc)) from exc
+                await self._relay_answer(response, replies.send, watch, tail, nursery)
                 nursery.cancel_scope.cancel()
         if relay.refusal is not None:
-            await self._answer_reclaimed(send, relay.refusal, started, scope, found)
+            await self._answer_reclaimed(replies, relay.refusal, response, tail, scope, found)
             return None
         if watch.client_left:
             log.info(
@@ -332,16 +382,55 @@ class ProxyApp:
                 f" (job {reservation.job_id})" if reservation else "",
             )
             return None
-        return status
+        return response.status if response is not None else None
+
+    async def _relay_answer(
+        self,
+        response: UpstreamResponse,
+        send: Any,
+        watch: DisconnectWatch,
+        tail: StreamTail,
+        nursery: trio.Nursery,
+    ) -> None:
+        """Write the upstream's answer to the borrower as it arrives; `tail` follows where
+        the bytes sent so far end, for a final error frame should reclaim cut the stream."""
+        chunks_in, chunks_out = trio.open_memory_channel[bytes](1)
+        nursery.start_soon(response.pump, chunks_in)
+        try:
+            message = {"type": "http.response.start", "status": response.status}
+            await send({**message, "headers": response.headers})
+            tail.started = True
+            async for chunk in chunks_out:
+                tail.sending(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail.sent()
+            if response.failure is not None:
+                raise response.failure
+            watch.finishing = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception as exc:
+            # After the headers there is no honest way to report an error except to
+            # break the stream, so the borrower never mistakes it for a clean end.
+            log.warning(
+                "stream from %s broke after %s: %s",
+                self.upstream.name,
+                "headers" if tail.started else "request",
+                exc,
+            )
+            raise UpstreamStreamBroken(str(exc)) from exc
 
     async def _answer_reclaimed(
         self,
-        send: Any,
+        replies: Replies,
         refusal: Refuse,
-        started: bool,
+        response: UpstreamResponse | None,
+        tail: StreamTail,
         scope: dict[str, Any],
         found: Classification,
     ) -> None:
+        """Tell the borrower its job was cut: a 503 before the answer's headers; after
+        them, a last error frame where the stream's framing allows one, then a break."""
+        started = response is not None and tail.started
         log.log(
             logging.WARNING if started else logging.INFO,
             "reclaim cut %s %s on %s %s: %s",
@@ -351,9 +440,15 @@ class ProxyApp:
             "mid-stream" if started else "before its answer",
             refusal.for_operator,
         )
-        if not started:
-            await send_refusal(send, refusal)
+        if response is None or not started:
+            await replies.refusal(refusal)
             return
+        content_type = header_value(response.headers, b"content-type")
+        frame = stream_error(replies.dialect, content_type, refusal.reason.value, refusal.detail)
+        if frame and tail.at_boundary(content_type):
+            # Bounded: a borrower that stopped reading gets the break without the frame.
+            with trio.move_on_after(FINAL_FRAME_TIMEOUT_S):
+                await replies.send({"type": "http.response.body", "body": frame, "more_body": True})
         raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
 
 

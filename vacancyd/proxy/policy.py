@@ -6,12 +6,16 @@ refused on one path and open on the other, and every difference between them is 
 here, table-tested like the gate. It judges only the head; admission (gate and ledger)
 follows for work, and the body, where there is one, is read after.
 
+A CORS preflight never reaches this order: `preflight` answers it first (see
+proxy/cors.py), for exactly the routes this function would forward.
+
 The order, first refusal wins:
 
 1. the borrower's credentials (judged by the caller: the authenticator counts);
 2. framing: Content-Length together with chunked is ambiguous (400); an upgrade carries
    no body, since bytes after its head would reach the upstream unread (400);
-3. a cross-site page, for upstreams that trust browsers not to reach them (403);
+3. a cross-site page, for upstreams that trust browsers not to reach them (403), unless
+   its origin is on the upstream's `cors_allow_origins`;
 4. the adapter's classification: management reads are refused (403) unless the operator
    allows them, anything else unlisted is not recognised (501);
 5. WebSocket routes are declared per adapter: an upgrade on any other route is refused
@@ -26,13 +30,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
 from vacancyd.adapters import Adapter, Classification, RouteClass
 from vacancyd.auth import AuthResult
 from vacancyd.config import Management
+from vacancyd.proxy.cors import is_allowed, is_preflight
 from vacancyd.proxy.headers import header_value, is_cross_origin
 
 Headers = Sequence[tuple[bytes, bytes]]
@@ -64,8 +69,40 @@ class Refusal:
     allowed_reads: tuple[str, ...] | None = None
 
 
+@attrs.frozen
+class Preflight:
+    """A CORS preflight for a route the adapter forwards: vacancyd answers it itself."""
+
+    found: Classification
+
+
+ANYONE = AuthResult(True, token_name="preflight")
+
+
+def preflight(head: RequestHead, adapter: Adapter, management: Management) -> Preflight | None:
+    """A preflight whose method and path `front_door` would forward, else None (the head
+    then goes through the front door like any other, and an OPTIONS request is refused
+    there as a route no adapter recognises)."""
+    if head.websocket or not is_preflight(head.method, head.headers):
+        return None
+    requested = header_value(head.headers, b"access-control-request-method") or b""
+    try:
+        method = requested.strip().decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    # The request it announces, as the front door would see it: headers that judge the
+    # browser's page (Origin) decide the answer's allow headers, not whether it is a route.
+    announced = RequestHead(method, head.raw_path, head.query, [])
+    decision = front_door(announced, adapter, management, ANYONE)
+    return Preflight(decision.found) if isinstance(decision, Forward) else None
+
+
 def front_door(
-    head: RequestHead, adapter: Adapter, management: Management, auth: AuthResult
+    head: RequestHead,
+    adapter: Adapter,
+    management: Management,
+    auth: AuthResult,
+    cors_origins: Collection[str] = (),
 ) -> Forward | Refusal:
     """Decide one request head (see the module docstring for the order)."""
     if not auth.allowed:
@@ -73,7 +110,11 @@ def front_door(
     framing = _framing_refusal(head)
     if framing is not None:
         return framing
-    if b"origin" in adapter.drop_request_headers and is_cross_origin(head.headers):
+    if (
+        b"origin" in adapter.drop_request_headers
+        and is_cross_origin(head.headers)
+        and not is_allowed(header_value(head.headers, b"origin"), cors_origins)
+    ):
         # This upstream trusts that browsers cannot reach it from other sites, and the proxy
         # must drop Origin for it (it rewrites Host), so the check happens here instead.
         return Refusal(403, "cross_origin_refused", "requests from another site's page are refused")

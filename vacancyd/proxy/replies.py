@@ -1,8 +1,10 @@
-"""Every answer the proxy makes itself, in one place: refusals and errors as JSON.
+"""Every answer the proxy makes itself, in one place: refusals and errors.
 
-Bodies are shaped like OpenAI errors, which is what gateways and SDKs already parse:
-{"error": {"type", "code", "message"}}. A capacity refusal is 503 with Retry-After so a
-gateway can fail over and come back later.
+Bodies follow the dialect of the route they answer (proxy/dialects.py): OpenAI's error
+object on OpenAI routes, Ollama's string on its native routes, and so on. Whatever the
+body, the code is in `X-Vacancyd-Reason` (vacancyd/refusals.py). A capacity refusal is
+503 with Retry-After, so a gateway can fail over and come back later, and with
+`x-should-retry`, so an SDK client fails over at once instead of sleeping in place.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vacancyd.model import Refuse
+import attrs
+
+from vacancyd.adapters import Dialect
+from vacancyd.model import Reason, Refuse
+from vacancyd.proxy.dialects import error_body
+from vacancyd.refusals import advice_headers
 
 Send = Any  # the ASGI send callable
+Headers = list[tuple[bytes, bytes]]
 
 
 async def send_json(
-    send: Send,
-    status: int,
-    payload: dict[str, Any],
-    extra_headers: list[tuple[bytes, bytes]] | None = None,
+    send: Send, status: int, payload: dict[str, Any], extra_headers: Headers | None = None
 ) -> None:
     body = json.dumps(payload).encode()
     headers = [
@@ -32,36 +37,53 @@ async def send_json(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def error_payload(error_type: str, code: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"error": {"type": error_type, "code": code, "message": message, **extra}}
+@attrs.frozen
+class Replies:
+    """The answers to one request: its ASGI `send`, the dialect of its route, and which
+    refusal reasons tell SDK clients to retry in place (the upstream's `retry_in_place`)."""
 
+    send: Send
+    dialect: Dialect = Dialect.OPENAI
+    retry_in_place: frozenset[Reason] = frozenset({Reason.RESOURCE_BUSY})
 
-async def send_refusal(send: Send, refusal: Refuse, *, close: bool = False) -> None:
-    """A 503 the gateway can fail over on; `close` when a request body was left unread."""
-    headers = [(b"retry-after", str(refusal.retry_after_s).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send_json(
-        send, 503, error_payload("no_vacancy", refusal.reason.value, refusal.detail), headers
-    )
+    async def refusal(self, refusal: Refuse, *, close: bool = False) -> None:
+        """A 503 the gateway can fail over on; `close` when a request body was left unread."""
+        code = refusal.reason.value
+        headers = advice_headers(
+            code,
+            retry_after_s=refusal.retry_after_s,
+            retry_in_place=refusal.reason in self.retry_in_place,
+        )
+        if close:
+            headers.append((b"connection", b"close"))
+        body = error_body(
+            self.dialect,
+            "no_vacancy",
+            code,
+            refusal.detail,
+            retry_after_s=refusal.retry_after_s,
+        )
+        await send_json(self.send, 503, body, headers)
 
-
-async def send_error(
-    send: Send,
-    status: int,
-    code: str,
-    message: str,
-    *,
-    retry_after_s: int | None = None,
-    close: bool = False,
-    **extra: Any,
-) -> None:
-    """Send an error; `close` when the request body was not read, so the connection is not
-    reused with the rest of that body still in flight."""
-    error_type = "invalid_request_error" if status < 500 else "proxy_error"
-    headers = [(b"retry-after", str(retry_after_s).encode())] if retry_after_s else []
-    if close:
-        headers.append((b"connection", b"close"))
-    if status == 401:
-        headers.append((b"www-authenticate", b'Bearer realm="vacancyd"'))
-    await send_json(send, status, error_payload(error_type, code, message, **extra), headers)
+    async def error(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        retry_after_s: int | None = None,
+        close: bool = False,
+        **extra: Any,
+    ) -> None:
+        """Send an error; `close` when the request body was not read, so the connection is
+        not reused with the rest of that body still in flight."""
+        error_type = "invalid_request_error" if status < 500 else "proxy_error"
+        headers = advice_headers(code, retry_after_s=retry_after_s)
+        if close:
+            headers.append((b"connection", b"close"))
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="vacancyd"'))
+        body = error_body(
+            self.dialect, error_type, code, message, retry_after_s=retry_after_s, **extra
+        )
+        await send_json(self.send, status, body, headers)

@@ -13,7 +13,7 @@ import logging
 import trio
 
 from vacancyd.adapters.actions import ReclaimActions, UpstreamContext
-from vacancyd.admission import Admission, Reservation
+from vacancyd.admission import Admission, Phase, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +29,14 @@ async def track_job(
     deadline = trio.current_time() + completion_timeout_s
     pending = set(reservation.job_ids)
     while pending and trio.current_time() < deadline:
-        if reservation.phase != "tracking":
+        if reservation.phase is not Phase.TRACKING:
             return  # reclaim, an admin or a hold has taken it over
         for job_id in sorted(pending):
             if await actions.job_state(context, job_id) == "done":
                 pending.discard(job_id)
         if pending:
             await trio.sleep(admission.poll_interval_s)
-    if reservation.phase != "tracking":
+    if reservation.phase is not Phase.TRACKING:
         return
     if pending:
         admission.hold(

@@ -33,14 +33,16 @@ import attrs
 import h11
 import trio
 
-from vacancyd.adapters import Adapter
+from vacancyd.adapters import Adapter, Dialect
 from vacancyd.admission import Admission
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig
 from vacancyd.model import Refuse
+from vacancyd.proxy.dialects import error_body
 from vacancyd.proxy.forward import Relay
 from vacancyd.proxy.headers import HOP_BY_HOP, header_value
 from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
+from vacancyd.refusals import advice_headers
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class WebSocketTunnels:
         self._credential = credential
         self.open = 0
         self.refused_not_switched = 0
+        self._cors_origins = frozenset(o.lower() for o in upstream.cors_allow_origins)
+        self._retry_in_place = frozenset(upstream.retry_in_place)
 
     async def take_over(
         self,
@@ -117,14 +121,17 @@ class WebSocketTunnels:
                 self.adapter,
                 self.upstream.management,
                 self._auth.check_borrower(headers, client),
+                self._cors_origins,
             )
+            dialect = self.adapter.dialect_for(self.adapter.classify("GET", raw_path, query))
             if isinstance(decision, Refusal):
-                await _answer(stream, decision.status, decision.code, decision.message)
+                await _answer(stream, dialect, decision.status, decision.code, decision.message)
                 return
             # Taken with no checkpoint since the count was read: the cap cannot be raced.
             if self.open >= self._limits.max_websockets:
                 await _answer(
                     stream,
+                    dialect,
                     503,
                     "too_many_websockets",
                     "this listener has as many WebSocket tunnels open as it may",
@@ -133,7 +140,7 @@ class WebSocketTunnels:
                 return
             self.open += 1
             try:
-                await self._admit_and_tunnel(stream, request, decision, query, rest)
+                await self._admit_and_tunnel(stream, request, decision, query, rest, dialect)
             finally:
                 self.open -= 1
 
@@ -144,38 +151,49 @@ class WebSocketTunnels:
         decision: Forward,
         query: bytes,
         rest: bytes,
+        dialect: Dialect,
     ) -> None:
         if not decision.gated:
-            await self._tunnel(stream, request, decision.found.path, query, rest)
+            await self._tunnel(stream, request, decision.found.path, query, rest, dialect)
             return
         outcome = await self._admission.admit(self.upstream, None)
         if isinstance(outcome, Refuse):
             await _answer(
                 stream,
+                dialect,
                 503,
                 outcome.reason.value,
                 outcome.detail,
                 retry_after_s=outcome.retry_after_s,
                 error_type="no_vacancy",
+                retry_in_place=outcome.reason in self._retry_in_place,
             )
             return
         relay = Relay()
         self._admission.attach(outcome, relay)  # reclaim may cut the socket
         try:
             with relay.scope:
-                await self._tunnel(stream, request, decision.found.path, query, rest)
+                await self._tunnel(stream, request, decision.found.path, query, rest, dialect)
         finally:
             self._admission.release(outcome)
 
     async def _tunnel(
-        self, stream: trio.SocketStream, request: h11.Request, path: str, query: bytes, rest: bytes
+        self,
+        stream: trio.SocketStream,
+        request: h11.Request,
+        path: str,
+        query: bytes,
+        rest: bytes,
+        dialect: Dialect,
     ) -> None:
         try:
             with trio.fail_after(self._limits.upstream_connect_timeout_s):
                 upstream = await trio.open_tcp_stream(self.target.host, self.target.port)
         except (OSError, trio.TooSlowError) as exc:
             log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, exc)
-            await _answer(stream, 502, "upstream_unavailable", "the upstream did not answer")
+            await _answer(
+                stream, dialect, 502, "upstream_unavailable", "the upstream did not answer"
+            )
             return
         async with upstream:
             target = (self.target.base_path + path).encode("ascii")
@@ -185,7 +203,11 @@ class WebSocketTunnels:
             answer = await self._handshake(upstream, self._replayed(request, target), key)
             if answer is None:
                 await _answer(
-                    stream, 502, "upstream_unavailable", "the upstream did not answer the upgrade"
+                    stream,
+                    dialect,
+                    502,
+                    "upstream_unavailable",
+                    "the upstream did not answer the upgrade",
                 )
                 return
             if not answer.switched:
@@ -354,16 +376,22 @@ async def _send_quietly(stream: trio.SocketStream, data: bytes) -> None:
 
 async def _answer(
     stream: trio.SocketStream,
+    dialect: Dialect,
     status: int,
     code: str,
     message: str,
     *,
     retry_after_s: int | None = None,
     error_type: str | None = None,
+    retry_in_place: bool | None = None,
 ) -> None:
-    """A plain HTTP answer to an upgrade we will not tunnel, then the connection ends."""
+    """A plain HTTP answer to an upgrade we will not tunnel, then the connection ends.
+
+    Shaped as the proxy's own answers are (proxy/replies.py): the route's dialect, the
+    reason header, and for a refusal Retry-After and the retry stance."""
     kind = error_type or ("invalid_request_error" if status < 500 else "proxy_error")
-    body = json.dumps({"error": {"type": kind, "code": code, "message": message}}).encode()
+    payload = error_body(dialect, kind, code, message, retry_after_s=retry_after_s)
+    body = json.dumps(payload).encode()
     reasons = {
         400: b"Bad Request",
         401: b"Unauthorized",
@@ -379,8 +407,8 @@ async def _answer(
     ]
     if status == 401:
         head.append(b'www-authenticate: Bearer realm="vacancyd"')
-    if retry_after_s is not None:
-        head.append(b"retry-after: " + str(retry_after_s).encode())
+    advice = advice_headers(code, retry_after_s=retry_after_s, retry_in_place=retry_in_place)
+    head += [name + b": " + value for name, value in advice]
     await _send_quietly(stream, b"\r\n".join(head) + b"\r\n\r\n" + body)
 
 

@@ -1,0 +1,183 @@
+"""LiteLLM's Router, set up as docs/gateways.md says, in front of a lent llama-server.
+
+Two deployments of one model: "lent" goes through vacancyd, "always-on" straight to the
+same llama-server (standing in for a server nobody borrows). The recipe: the lender's
+group falls back to the always-on one, a 503 benches the lender at once
+(`ServiceUnavailableErrorAllowedFails: 0`) and is not retried on it
+(`ServiceUnavailableErrorRetries: 0`), and the lender's own `cooldown_time` bounds how
+long it stays benched, whatever Retry-After says.
+
+Real clock (LiteLLM keeps cooldowns by wall time), a cooldown of COOLDOWN_S seconds, and
+bounds no tighter than the gateways issue states: a failover within 1 s, at most one hit
+on the lender per cooldown, traffic back on the lender within the cooldown plus 5 s.
+LiteLLM runs in worker threads (it is asyncio and synchronous code); the daemon serves
+in-process, and counts every request its proxy judged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from tests.support.clients import attempts, in_thread, lender_config, owner_returns
+from tests.support.daemon import InProcessDaemon, in_process_daemon
+
+litellm = pytest.importorskip("litellm")
+from litellm.types.router import AllowedFailsPolicy, RetryPolicy  # noqa: E402
+
+pytestmark = [
+    pytest.mark.e2e,
+    # LiteLLM's own code, as the installed pydantic reads it: not ours to fix, and turned
+    # into errors (the suite's default) they would break LiteLLM's fallback from inside.
+    pytest.mark.filterwarnings("ignore:Items? .*ReadOnly. qualifier:UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+MODEL = "gemma3-270m"
+COOLDOWN_S = 2
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def recipe(lender: str, always_on: str, **extra: Any) -> Any:
+    """The Router of docs/gateways.md ("Python"), with a short cooldown for the test."""
+    litellm.success_callback, litellm.failure_callback, litellm.callbacks = [], [], []
+    return litellm.Router(
+        model_list=[
+            {
+                "model_name": "lent",
+                "litellm_params": {
+                    "model": f"openai/{MODEL}",
+                    "api_base": f"{lender}/v1",
+                    "api_key": "sk-borrower",
+                    "cooldown_time": COOLDOWN_S,
+                },
+            },
+            {
+                "model_name": "always-on",
+                "litellm_params": {
+                    "model": f"openai/{MODEL}",
+                    "api_base": f"{always_on}/v1",
+                    "api_key": "sk-none",
+                },
+                "model_info": {"supports_assistant_prefill": True},
+            },
+        ],
+        fallbacks=[{"lent": ["always-on"]}],
+        allowed_fails_policy=AllowedFailsPolicy(ServiceUnavailableErrorAllowedFails=0),
+        model_group_retry_policy={"lent": RetryPolicy(ServiceUnavailableErrorRetries=0)},
+        **extra,
+    )
+
+
+async def close_clients() -> None:
+    """Close the SDK clients LiteLLM cached, in the loop (or thread) that used them: left
+    open, their sockets would be reported as unclosed during some later test."""
+    cache = litellm.in_memory_llm_clients_cache
+    for client in list(cache.cache_dict.values()):
+        closing = getattr(client, "close", None)
+        done = closing() if callable(closing) else None
+        if inspect.isawaitable(done):
+            await done
+    cache.flush_cache()
+
+
+def served_by(response: Any) -> str:
+    base: str = response._hidden_params["api_base"]
+    return base.rstrip("/").removesuffix("/v1")
+
+
+@pytest.fixture
+async def lender(llama_url: str, tmp_path: Path) -> AsyncIterator[InProcessDaemon]:
+    async with in_process_daemon(lender_config(llama_url, tmp_path / "state")) as daemon:
+        yield daemon
+
+
+async def test_a_paused_lender_fails_over_at_once_and_takes_traffic_back_after_resume(
+    lender: InProcessDaemon, llama_url: str
+) -> None:
+    lent = lender.proxy("lender")
+    router = recipe(lent, llama_url)
+
+    async def ask() -> tuple[str, float]:
+        def call() -> tuple[str, float]:
+            started = time.monotonic()
+            answer = router.completion(model="lent", messages=HELLO, max_tokens=2)
+            return served_by(answer), time.monotonic() - started
+
+        return await in_thread(call)
+
+    assert (await ask())[0] == lent  # warm: the lender serves while it lends
+    lender.state.set_lending(False)
+    before = await attempts(lender, "lender")
+    window_started = time.monotonic()
+    answers = [await ask()]
+    while time.monotonic() - window_started < 1.5 * COOLDOWN_S:
+        answers.append(await ask())
+    window_s = time.monotonic() - window_started
+    assert {where for where, _ in answers} == {llama_url}
+    slowest = max(took for _, took in answers)
+    assert slowest < 1.0, f"slowest failover took {slowest:.2f}s"
+    hits = await attempts(lender, "lender") - before
+    assert 1 <= hits <= math.ceil(window_s / COOLDOWN_S), f"{hits} hits in {window_s:.1f}s"
+
+    lender.state.set_lending(True)
+    resumed = time.monotonic()
+    for _ in range(4 * (COOLDOWN_S + 5)):  # LiteLLM's cooldown runs on the wall clock
+        if (where := (await ask())[0]) == lent or time.monotonic() - resumed > COOLDOWN_S + 5:
+            break
+        await trio.sleep(0.25)
+    back_after = time.monotonic() - resumed
+    assert where == lent, f"traffic not back on the lender {back_after:.1f}s after resume"
+    assert back_after <= COOLDOWN_S + 5
+    await in_thread(lambda: asyncio.run(close_clients()))
+
+
+async def test_a_stream_cut_by_the_owner_continues_on_the_fallback(
+    lender: InProcessDaemon, llama_url: str
+) -> None:
+    """The async Router with mid-stream fallback continuation: the lender's stream ends in
+    vacancyd's error event, and the caller gets the rest of the answer from the fallback
+    with no error at all."""
+    router = recipe(lender.proxy("lender"), llama_url, enable_mid_stream_fallback_continuation=True)
+    token = trio.lowlevel.current_trio_token()
+
+    async def stream() -> tuple[int, str | None]:
+        response = await router.acompletion(
+            model="lent",
+            messages=[{"role": "user", "content": "Tell a long story about a lighthouse."}],
+            max_tokens=120,
+            stream=True,
+        )
+        chunks, finish = 0, None
+        async for chunk in response:
+            chunks += 1
+            if chunks == 3:
+                trio.from_thread.run_sync(owner_returns, lender, trio_token=token)
+            finish = chunk.choices[0].finish_reason or finish if chunk.choices else finish
+        await close_clients()
+        return chunks, finish
+
+    chunks, finish = await in_thread(lambda: asyncio.run(stream()))
+    assert finish in ("stop", "length")
+    assert chunks > 3
+    status = await lender_reclaim(lender)
+    assert status["cancelled_jobs"], "the owner's return did not cut the lender's stream"
+
+
+async def lender_reclaim(daemon: InProcessDaemon) -> dict[str, Any]:
+    from tests.support.clients import upstream_status
+
+    with trio.fail_after(5):
+        while True:
+            last = (await upstream_status(daemon, "lender"))["reclaim"]["last"]
+            if last is not None:
+                return dict(last)
+            await trio.sleep(0.05)

@@ -1,0 +1,90 @@
+"""Residency proof: whether a request would reuse a model the upstream holds as loaded.
+
+Each adapter that can tell says how (`ResidencyProver`): what to read from the server and
+how to judge one request against that reading. `ResidencyWatch` keeps the last reading of
+one upstream and reads again when the reading is older than admission accepts or older
+than the last job end or yield it is told about, so back-to-back requests cost one read
+every few seconds rather than one each. A reading that fails is a proof of nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from vacancyd.adapters.actions import UpstreamCallError, UpstreamContext
+from vacancyd.admission import PROOF_MAX_AGE_S
+from vacancyd.model import Residency
+
+# The longest a residency read may take; past it the request is judged without credit.
+READ_DEADLINE_S = 2.0
+
+
+@attrs.frozen
+class WorkRequest:
+    """What a prover needs of one work request."""
+
+    model: str | None
+    path: str
+    body: Mapping[str, Any] = attrs.Factory(dict)
+
+
+class ResidencyProver(Protocol):
+    """An adapter's way to prove residency: read the server, then judge requests."""
+
+    source: str  # what is read, for details ("/slots", "/api/ps")
+
+    async def read(self, context: UpstreamContext) -> Any:
+        """The server's state as one value; UpstreamCallError when it cannot be read."""
+        ...
+
+    def judge(self, reading: Any, request: WorkRequest, taken_at: float) -> Residency: ...
+
+    async def learn(self, context: UpstreamContext, request: WorkRequest) -> None:
+        """Called after a request that was not credited has been served: a prover that
+        learns how requests load models (Ollama's contexts) reads the server now."""
+        ...
+
+
+class ResidencyWatch:
+    """The residency of one upstream, read at most every PROOF_MAX_AGE_S seconds."""
+
+    def __init__(self, prover: ResidencyProver, context: UpstreamContext) -> None:
+        self._prover = prover
+        self._context = context
+        self._reading: Any = None
+        self._taken_at = float("-inf")
+        self._error = ""
+
+    async def prove(self, request: WorkRequest, not_before: float) -> Residency:
+        """Judge `request` on a reading taken no earlier than `not_before` and at most
+        PROOF_MAX_AGE_S ago, reading the server again if the last one does not qualify."""
+        now = trio.current_time()
+        if self._taken_at < not_before or now - self._taken_at > PROOF_MAX_AGE_S:
+            await self._read()
+        if self._error:
+            return Residency(
+                False, self._taken_at, self._prover.source, f"cannot read: {self._error}"
+            )
+        return self._prover.judge(self._reading, request, self._taken_at)
+
+    async def learn(self, request: WorkRequest) -> None:
+        # Nothing learned this time is fine: the next load teaches it.
+        with trio.move_on_after(READ_DEADLINE_S), contextlib.suppress(UpstreamCallError):
+            await self._prover.learn(self._context, request)
+
+    async def _read(self) -> None:
+        taken_at = trio.current_time()
+        self._error = ""
+        with trio.move_on_after(READ_DEADLINE_S) as timer:
+            try:
+                self._reading = await self._prover.read(self._context)
+            except UpstreamCallError as exc:
+                self._error = str(exc)
+        if timer.cancelled_caught:
+            self._error = f"no answer within {READ_DEADLINE_S:g}s"
+        self._taken_at = taken_at

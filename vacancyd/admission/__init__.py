@@ -1,0 +1,41 @@
+"""Admission: the gate's answer, the ledger's reservations, durable holds, residency credit.
+
+* gatekeeper.py: `Admission`, the one step from a request to a reservation or a refusal.
+* ledger.py: who uses each resource; one load at a time, parallel resident requests.
+* phases.py: a reservation's lifecycle as a transition table.
+* holds.py: durable holds on disk, failing closed.
+"""
+
+from vacancyd.admission.gatekeeper import (
+    POST_RELEASE_WAIT_S,
+    PROOF_MAX_AGE_S,
+    Admission,
+    Prove,
+    need_for,
+)
+from vacancyd.admission.holds import HOLDS_KIND
+from vacancyd.admission.ledger import (
+    Ledger,
+    LedgerStatistics,
+    RelayHandle,
+    Reservation,
+    Share,
+)
+from vacancyd.admission.phases import HOLDING, Event, Phase
+
+__all__ = [
+    "HOLDING",
+    "HOLDS_KIND",
+    "POST_RELEASE_WAIT_S",
+    "PROOF_MAX_AGE_S",
+    "Admission",
+    "Event",
+    "Ledger",
+    "LedgerStatistics",
+    "Phase",
+    "Prove",
+    "RelayHandle",
+    "Reservation",
+    "Share",
+    "need_for",
+]

@@ -1,0 +1,381 @@
+"""Admission: the gate, then the ledger, with residency credit where the upstream proves it.
+
+A model an upstream already holds is no longer in free memory, so charging its full load
+requirement again would refuse the model's own follow-up requests. A request is charged
+less (`resident_min_free_mib`) only on proof, read from the upstream by its adapter
+(`Prove`): the proof must say the request reuses the model as loaded, be at most
+`PROOF_MAX_AGE_S` old, and be newer than the last job end or yield on every resource the
+request needs (a model a yield unloaded is not still resident). A proof that fails only on
+age is read again once. A credited request may share its resources with other requests
+to the same upstream and model, up to the server's slots (see ledger.py).
+
+Proof is read only when it can change the answer: a request that fits with its full
+footprint on an idle resource is admitted without asking the upstream anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from vacancyd.admission.ledger import Ledger, RelayHandle, Reservation, Share
+from vacancyd.config import ResourceConfig, UpstreamConfig
+from vacancyd.decisions import DecisionLog
+from vacancyd.gate import charged_mib, decide
+from vacancyd.model import (
+    MIB,
+    Admit,
+    FootprintHint,
+    GateInput,
+    ModelNeed,
+    Reason,
+    Refuse,
+    Residency,
+    ResourceKind,
+)
+from vacancyd.state import SharedState
+
+log = logging.getLogger("vacancyd.admission")
+
+# How long an admission waits for the post-release capacity sample it needs.
+POST_RELEASE_WAIT_S = 2.0
+# The oldest residency proof that still counts (the seed's bound).
+PROOF_MAX_AGE_S = 4.0
+
+# Reads the upstream's residency for this request; the argument is the earliest time a
+# cached reading may have been taken (the caller re-reads if its cache is older).
+Prove = Callable[[float], Awaitable[Residency]]
+
+
+def need_for(
+    upstream: UpstreamConfig,
+    resources: dict[str, ResourceConfig],
+    model: str | None,
+    hint: FootprintHint | None = None,
+) -> ModelNeed:
+    """The request's footprint, the first of: the model's configured need; what was
+    learned from its measured loads or estimated from its geometry (`hint`); the
+    upstream's default."""
+    if model is not None and model in upstream.models:
+        table, source = upstream.models[model].need_mib, "configured"
+    elif hint is not None and hint.need_mib:
+        table, source = hint.need_mib, hint.source
+    else:
+        table, source = upstream.default_need_mib, "default"
+    budgeted = {
+        name: mib
+        for name, mib in table.items()
+        if name in resources and resources[name].kind.has_bytes
+    }
+    return ModelNeed(
+        model=model,
+        need_mib=budgeted,
+        resident_min_free_mib=upstream.resident_min_free_mib,
+        source=source,
+    )
+
+
+@attrs.frozen
+class _Credit:
+    """The judgement of one proof for one request."""
+
+    applies: bool
+    detail: str
+    slots: int = 1
+    # MiB the server's own allocator holds for the next job, per resource (see Residency).
+    reusable_mib: dict[str, int] = attrs.Factory(dict)
+
+
+class Admission:
+    """Gate then ledger, in one step with no checkpoint between decision and reservation."""
+
+    def __init__(self, state: SharedState, ledger: Ledger, decisions: DecisionLog) -> None:
+        self._state = state
+        self._ledger = ledger
+        self._decisions = decisions
+
+    async def admit(
+        self,
+        upstream: UpstreamConfig,
+        model: str | None,
+        job_ids: tuple[str, ...] = (),
+        prove: Prove | None = None,
+        hint: FootprintHint | None = None,
+    ) -> Reservation | Refuse:
+        resources = (upstream.resource, *upstream.also_requires)
+        tried = self._try(upstream, resources, model, job_ids, hint, credit=None)
+        if prove is None or not _credit_could_help(tried):
+            if isinstance(tried[1], Refuse) and tried[1].reason is Reason.RESOURCE_BUSY:
+                # A just-released resource: give it a moment to be re-measured.
+                await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
+                tried = self._try(upstream, resources, model, job_ids, hint, credit=None)
+            return self._record(upstream, tried)
+        credit, residency = await self._judge(upstream, resources, prove)
+        if not credit.applies:
+            await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
+        tried = self._try(upstream, resources, model, job_ids, hint, credit=credit)
+        outcome = tried[1]
+        credited = isinstance(outcome, Reservation) and outcome.shared
+        self._decisions.record_residency(upstream.name, residency, credited)
+        if isinstance(outcome, Reservation) and credited:
+            log.info(
+                "admitted job %d on %s with residency credit: %s",
+                outcome.job_id,
+                upstream.name,
+                credit.detail,
+            )
+        return self._record(upstream, tried)
+
+    def _try(
+        self,
+        upstream: UpstreamConfig,
+        resources: tuple[str, ...],
+        model: str | None,
+        job_ids: tuple[str, ...],
+        hint: FootprintHint | None,
+        credit: _Credit | None,
+    ) -> tuple[GateInput, Reservation | Refuse]:
+        """Gate and ledger for one footprint, with no checkpoint in between."""
+        need = need_for(upstream, self._state.resources, model, hint)
+        if credit is not None:
+            reduced = {
+                name: max(0, mib - credit.reusable_mib.get(name, 0))
+                for name, mib in need.need_mib.items()
+            }
+            need = attrs.evolve(
+                need,
+                need_mib=reduced,
+                resident_credit=credit.applies,
+                credit_detail=credit.detail,
+            )
+        sharing = credit is not None and credit.applies
+        question = self._question(upstream, resources, need, sharing=sharing)
+        decision = decide(question)
+        if isinstance(decision, Refuse):
+            return question, decision
+        share = Share(model, credit.slots) if credit is not None and sharing else None
+        charges = {name: charged_mib(need, name) for name in need.need_mib}
+        outcome = self._ledger.try_reserve(
+            upstream.name, resources, model, job_ids, share=share, charged_mib=charges
+        )
+        if isinstance(outcome, Reservation) and share is None:
+            outcome.free_before_mib = self._gpu_free_mib(resources)
+        return question, outcome
+
+    def _gpu_free_mib(self, resources: tuple[str, ...]) -> dict[str, int]:
+        free = {}
+        for name in resources:
+            observation = self._state.observation(name)
+            gpu = self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
+            if gpu and observation is not None and observation.free_bytes is not None:
+                free[name] = observation.free_bytes // MIB
+        return free
+
+    async def measured_fall(self, reservation: Reservation, timeout_s: float) -> dict[str, int]:
+        """How far each GPU's free memory fell across an exclusive job, once a reading
+        taken after its release arrives (within `timeout_s`; what has none is left out).
+
+        With no other borrowed job on the resource meanwhile, a fall is what the job's
+        load left resident: the measured footprint of its model.
+        """
+        released = reservation.released_at
+        if reservation.shared or released is None or not reservation.free_before_mib:
+            return {}
+        fell: dict[str, int] = {}
+        with trio.move_on_after(timeout_s):
+            while len(fell) < len(reservation.free_before_mib):
+                for name, before in reservation.free_before_mib.items():
+                    observation = self._state.observation(name)
+                    if (
+                        name not in fell
+                        and observation is not None
+                        and observation.taken_at > released
+                        and observation.free_bytes is not None
+                    ):
+                        fell[name] = before - observation.free_bytes // MIB
+                if len(fell) < len(reservation.free_before_mib):
+                    self._state.request_sample()
+                    await self._state.wait_changed()
+        return fell
+
+    def _question(
+        self,
+        upstream: UpstreamConfig,
+        resources: tuple[str, ...],
+        need: ModelNeed,
+        *,
+        sharing: bool,
+    ) -> GateInput:
+        """The gate's question. A request that may share its resources with running jobs
+        sees each reading's spare memory less what jobs admitted since it were charged
+        (the reading cannot show them yet); a load runs alone, so there are none."""
+        question = self._state.gate_input(upstream.name, upstream.owner_scope, resources, need)
+        if not sharing:
+            return question
+        views = []
+        for view in question.resources:
+            observation = self._state.observation(view.name)
+            if view.spare_mib is not None and observation is not None:
+                pending = self._ledger.uncounted_mib(view.name, observation.taken_at)
+                views.append(attrs.evolve(view, spare_mib=view.spare_mib - pending))
+            else:
+                views.append(view)
+        return attrs.evolve(question, resources=tuple(views))
+
+    async def _judge(
+        self, upstream: UpstreamConfig, resources: tuple[str, ...], prove: Prove
+    ) -> tuple[_Credit, Residency]:
+        """Read the upstream's residency (again once if only its age fails) and judge it."""
+        not_before = self._ledger.proof_not_before(resources)
+        residency = await prove(not_before)
+        credit = self._credit(upstream, residency, not_before)
+        if not (credit.applies or credit.reusable_mib) and (
+            residency.resident or residency.reusable_mib
+        ):
+            residency = await prove(max(not_before, self._now() - 0.001))
+            credit = self._credit(upstream, residency, not_before)
+        return credit, residency
+
+    def _credit(self, upstream: UpstreamConfig, residency: Residency, not_before: float) -> _Credit:
+        age = self._now() - residency.taken_at
+        where = f"per {residency.source} {max(age, 0.0):.1f}s old"
+        if not residency.resident and residency.reusable_mib:
+            return self._reuse(upstream, residency, not_before, where)
+        if not residency.resident:
+            return _Credit(False, f"no residency credit: {residency.detail} ({where})")
+        if age > PROOF_MAX_AGE_S:
+            return _Credit(False, f"no residency credit: the proof is {age:.1f}s old")
+        if residency.taken_at < not_before:
+            return _Credit(
+                False, "no residency credit: a job ended or memory was yielded since the proof"
+            )
+        return _Credit(
+            True, f"residency credit: {residency.detail} ({where})", _slots(upstream, residency)
+        )
+
+    def _reuse(
+        self, upstream: UpstreamConfig, residency: Residency, not_before: float, where: str
+    ) -> _Credit:
+        """The server's own allocator memory, added back on a route with exactly one GPU."""
+        gpus = [
+            name
+            for name in (upstream.resource, *upstream.also_requires)
+            if self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
+        ]
+        fresh = (
+            self._now() - residency.taken_at <= PROOF_MAX_AGE_S and residency.taken_at >= not_before
+        )
+        if len(gpus) != 1 or not fresh:
+            why = "the route has not exactly one GPU" if len(gpus) != 1 else "it is stale"
+            return _Credit(False, f"no add-back of {residency.detail}: {why} ({where})")
+        return _Credit(
+            False,
+            f"{residency.detail}, added back to {gpus[0]} ({where})",
+            reusable_mib={gpus[0]: residency.reusable_mib},
+        )
+
+    def _record(
+        self, upstream: UpstreamConfig, tried: tuple[GateInput, Reservation | Refuse]
+    ) -> Reservation | Refuse:
+        question, outcome = tried
+        if isinstance(outcome, Refuse):
+            self._decisions.record(upstream.name, question, outcome)
+        else:
+            self._decisions.record(upstream.name, question, decide(question))
+        return outcome
+
+    def _now(self) -> float:
+        return trio.current_time()
+
+    def refusal_before_body(self, upstream: UpstreamConfig) -> Refuse | None:
+        """The refusal any request to this upstream would get now, whatever its body says.
+
+        Asked before a work request's body is read, so a borrower is not made to upload a
+        body (or wait for `100 Continue`) only to be refused. It charges no footprint,
+        does not wait for a post-release sample and ignores jobs a resident request could
+        share: it refuses only what `admit` would refuse for every body.
+        """
+        resources = (upstream.resource, *upstream.also_requires)
+        decision = decide(
+            self._state.gate_input(
+                upstream.name, upstream.owner_scope, resources, ModelNeed(model=None)
+            )
+        )
+        refusal = decision if isinstance(decision, Refuse) else None
+        # Running jobs refuse only some bodies (a resident model may share its resources);
+        # holds refuse every one.
+        refusal = refusal or self._ledger.held_refusal(upstream.name, resources)
+        if refusal is not None:
+            # Recorded with the default footprint, as `admit` would: the gate's rules before
+            # the capacity check do not read the footprint, so the inputs explain it as well.
+            question = self._state.gate_input(
+                upstream.name,
+                upstream.owner_scope,
+                resources,
+                need_for(upstream, self._state.resources, None),
+            )
+            self._decisions.record(upstream.name, question, refusal)
+        return refusal
+
+    def note_yield(self, upstream: UpstreamConfig) -> None:
+        """The upstream was asked to unload: residency read before now proves nothing."""
+        self._ledger.note_yield((upstream.resource, *upstream.also_requires))
+
+    def release(self, reservation: Reservation) -> None:
+        self._ledger.release(reservation)
+
+    def attach(self, reservation: Reservation, handle: RelayHandle) -> None:
+        self._ledger.attach(reservation, handle)
+
+    def track(self, reservation: Reservation) -> None:
+        self._ledger.track(reservation)
+
+    def hold(self, reservation: Reservation, reason: str) -> None:
+        self._ledger.hold(reservation, reason)
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._state.poll_interval_s
+
+    def vacancy(self, upstream: UpstreamConfig) -> Refuse | None:
+        """The refusal a request of the upstream's default footprint would get now, or None
+        when it would be admitted: the answer of `GET /vacancy/<upstream>`.
+
+        For load balancers and gateways that route on a health URL. It reserves nothing,
+        records no decision and never calls the upstream; a resource waiting for its
+        post-release sample is not refused here, because `admit` waits for that sample.
+        """
+        resources = (upstream.resource, *upstream.also_requires)
+        need = need_for(upstream, self._state.resources, None)
+        question = self._state.gate_input(upstream.name, upstream.owner_scope, resources, need)
+        decision = decide(question)
+        if isinstance(decision, Refuse):
+            return decision
+        return self._ledger.busy_refusal(upstream.name, resources, count=False)
+
+
+def _credit_could_help(tried: tuple[GateInput, Reservation | Refuse]) -> bool:
+    """Whether residency credit could turn this refusal into an admission: other jobs hold
+    the resource (a resident model may share it), or only the model's footprint failed (the
+    same question with no footprint is admitted)."""
+    question, outcome = tried
+    if not isinstance(outcome, Refuse):
+        return False
+    if outcome.reason is Reason.RESOURCE_BUSY:
+        return True
+    if outcome.reason is not Reason.INSUFFICIENT_CAPACITY:
+        return False
+    return isinstance(decide(attrs.evolve(question, need=ModelNeed(model=None))), Admit)
+
+
+def _slots(upstream: UpstreamConfig, residency: Residency) -> int:
+    """Parallel requests allowed on the resident model: what the server reports, capped by
+    `max_concurrent`; where the server does not say, `max_concurrent` or 1."""
+    if residency.slots is None:
+        return upstream.max_concurrent or 1
+    if upstream.max_concurrent is None:
+        return max(residency.slots, 1)
+    return max(min(residency.slots, upstream.max_concurrent), 1)

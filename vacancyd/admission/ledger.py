@@ -1,0 +1,461 @@
+"""The admission ledger: who is using each resource, and when its numbers can be trusted.
+
+The gate answers "would this fit right now?"; the ledger answers "is anyone else already
+using it?". Its rules:
+
+* **One load at a time per resource.** A request that may have to load a model (nothing
+  proved it resident) is exclusive: while any other borrowed job runs on one of its
+  resources it is refused `resource_busy` (retry 2 s), across every upstream sharing it.
+  A load is what can push the owner out, and the readings taken while one is under way
+  describe a machine half way through it.
+* **Parallel requests to a resident model.** A request whose model the upstream proved
+  it holds (residency credit) loads nothing. It may join other jobs on the same upstream
+  and model, up to the server's own parallelism (its slots); one more is `resource_busy`.
+  It never joins a job of another upstream or another model, or a held job.
+* **No reuse on stale numbers.** A resource released by a finished job takes no new load
+  until a capacity sample taken after the release arrives. A credited request does not
+  wait: it charges only `resident_min_free_mib`, and a reading from before the release
+  shows less free memory than there is, never more.
+* **Holds.** A job that could not be proved stopped holds its resources durably (see
+  holds.py) and refuses everything on them with `job_held`.
+
+Every check and its reservation happen with no checkpoint in between, so under trio's
+cooperative scheduling they are atomic without a lock. Each reservation's phase changes
+only through `_apply`, by the table in phases.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import trio
+
+from vacancyd.admission.holds import (
+    RESTORED_NOTE,
+    HoldsFile,
+    unreadable_refusal,
+    without_restored_notes,
+)
+from vacancyd.admission.phases import HOLDING, Event, Phase, next_phase
+from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, Reason, Refuse
+from vacancyd.persist import StateFileProblem
+from vacancyd.state import SharedState
+
+log = logging.getLogger("vacancyd.admission")
+
+_job_ids = itertools.count(1)
+
+
+class RelayHandle(Protocol):
+    """How reclaim stops a proxied request: the proxy registers one per admitted job."""
+
+    def cancel(self, refusal: Refuse) -> None: ...
+
+
+@attrs.frozen
+class Share:
+    """A request that reuses a model its upstream proved resident: it may run beside other
+    requests to the same upstream and model, up to `slots` at once."""
+
+    model: str | None
+    slots: int
+
+
+@attrs.define(eq=False)
+class Reservation:
+    """One admitted borrowed job and the resources it holds (see phases.py)."""
+
+    job_id: int
+    upstream: str
+    resources: tuple[str, ...]
+    model: str | None
+    started_at: float
+    phase: Phase = Phase.FORWARDING
+    # The upstream's own ids for this job (e.g. a ComfyUI prompt id vacancyd assigned).
+    job_ids: tuple[str, ...] = ()
+    hold_reason: str = ""
+    held_since: str = ""
+    # Restored from the holds file at start rather than made in this run.
+    restored: bool = False
+    # Admitted on residency credit: it loads nothing and may share its resources.
+    shared: bool = False
+    # What it was charged on each budgeted resource, in MiB.
+    charged_mib: dict[str, int] = attrs.Factory(dict)
+    # Free MiB of each GPU it holds, as last read before it was admitted (a load's
+    # footprint is measured against it once the job is over).
+    free_before_mib: dict[str, int] = attrs.Factory(dict)
+    released_at: float | None = None
+
+    @property
+    def hold_detail(self) -> str:
+        """The reason for a person: says when the hold came from an earlier run."""
+        return self.hold_reason + (RESTORED_NOTE if self.restored else "")
+
+
+@attrs.frozen
+class LedgerStatistics:
+    """What the API shows: who holds what, and what each resource is waiting for."""
+
+    entries: tuple[Reservation, ...]
+    awaiting_sample: tuple[str, ...]
+    reserved_total: int
+    released_total: int
+    busy_refusals: dict[str, int]
+    shared_total: int = 0
+
+
+class Ledger:
+    def __init__(self, state: SharedState, holds_path: Path | None = None) -> None:
+        self._state = state
+        self._jobs: dict[str, list[Reservation]] = {}
+        self._relays: dict[int, RelayHandle] = {}
+        self._holds = HoldsFile(holds_path)
+        self._released_at: dict[str, float] = {}
+        # When each resource last saw a job end or its upstream yield memory: a residency
+        # proof must be newer than both (a model a yield unloaded is not resident).
+        self._changed_at: dict[str, float] = {}
+        self._reserved_total = 0
+        self._released_total = 0
+        self._shared_total = 0
+        self._busy_refusals: Counter[str] = Counter()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def try_reserve(
+        self,
+        upstream: str,
+        resources: tuple[str, ...],
+        model: str | None,
+        job_ids: tuple[str, ...] = (),
+        share: Share | None = None,
+        charged_mib: dict[str, int] | None = None,
+    ) -> Reservation | Refuse:
+        """Reserve every resource of a request, or refuse naming the first one in use."""
+        refusal = self.busy_refusal(upstream, resources, share, model)
+        if refusal is None and share is None:
+            for name in resources:
+                if self.awaits_sample(name):
+                    self._busy_refusals[upstream] += 1
+                    refusal = Refuse(
+                        Reason.RESOURCE_BUSY,
+                        RETRY_RESOURCE_BUSY,
+                        f"{name} was just released; waiting for a capacity reading taken after it",
+                        resource=name,
+                    )
+                    break
+        if refusal is not None:
+            return refusal
+        reservation = Reservation(
+            job_id=next(_job_ids),
+            upstream=upstream,
+            resources=resources,
+            model=model,
+            started_at=trio.current_time(),
+            job_ids=job_ids,
+            shared=share is not None,
+            charged_mib=dict(charged_mib or {}),
+        )
+        for name in resources:
+            self._jobs.setdefault(name, []).append(reservation)
+        self._reserved_total += 1
+        self._shared_total += share is not None
+        return reservation
+
+    def busy_refusal(
+        self,
+        upstream: str,
+        resources: tuple[str, ...],
+        share: Share | None = None,
+        model: str | None = None,
+        *,
+        count: bool = True,
+    ) -> Refuse | None:
+        """Why a request could not take `resources` now because of other jobs, if so;
+        counted as a busy refusal unless `count` is false (a question, not a request).
+
+        While the holds file cannot be trusted, every resource counts as held.
+        """
+        problem = self._holds.unreadable
+        refusal = unreadable_refusal(resources[0], problem) if problem and resources else None
+        for name in resources:
+            refusal = refusal or self._conflict(name, upstream, share, model)
+        if refusal is not None and count:
+            self._busy_refusals[upstream] += 1
+        return refusal
+
+    def held_refusal(self, upstream: str, resources: tuple[str, ...]) -> Refuse | None:
+        """The refusal a hold (or an untrusted holds file) gives every request, if any."""
+        problem = self._holds.unreadable
+        refusal = unreadable_refusal(resources[0], problem) if problem and resources else None
+        for name in resources:
+            refusal = refusal or self._held(name)
+        if refusal is not None:
+            self._busy_refusals[upstream] += 1
+        return refusal
+
+    def _held(self, name: str) -> Refuse | None:
+        held = next((r for r in self._jobs.get(name, []) if r.phase is Phase.HELD), None)
+        if held is None:
+            return None
+        return Refuse(
+            Reason.JOB_HELD, RETRY_JOB_HELD, f"{name} is held: {held.hold_detail}", resource=name
+        )
+
+    def _conflict(
+        self, name: str, upstream: str, share: Share | None, model: str | None
+    ) -> Refuse | None:
+        held = self._held(name)
+        if held is not None:
+            return held
+        others = self._jobs.get(name, [])
+        if not others:
+            return None
+        if share is None:
+            return _busy(
+                name, f"{name} is serving another borrowed job (upstream {others[0].upstream})"
+            )
+        strangers = [r for r in others if r.upstream != upstream or r.model != model]
+        if strangers:
+            return _busy(
+                name,
+                f"{name} is serving another borrowed job (upstream {strangers[0].upstream}, "
+                f"model {strangers[0].model or 'default'})",
+            )
+        if len(others) >= share.slots:
+            return _busy(
+                name,
+                f"all {share.slots} of {upstream}'s slots for {model or 'its model'} are "
+                "serving borrowed jobs",
+            )
+        return None
+
+    # -- the lifecycle -----------------------------------------------------------------------
+
+    def release(self, reservation: Reservation) -> None:
+        """The job's exchange ended; a held job stays held (only proof or an admin ends it)."""
+        self._relays.pop(reservation.job_id, None)
+        self._apply(reservation, Event.END)
+
+    def track(self, reservation: Reservation) -> None:
+        """The HTTP exchange ended but the upstream still runs the job: keep holding."""
+        self._relays.pop(reservation.job_id, None)
+        self._apply(reservation, Event.TRACK)
+
+    def hold(self, reservation: Reservation, reason: str) -> None:
+        """vacancyd cannot prove the job stopped: hold its resources durably."""
+        if reservation.phase is Phase.FORWARDING or reservation.phase is Phase.TRACKING:
+            reservation.hold_reason = reason
+            reservation.held_since = datetime.now(UTC).isoformat(timespec="seconds")
+        self._apply(reservation, Event.HOLD)
+
+    def release_hold(self, job_id: int, why: str) -> Reservation | None:
+        """End a durable hold (an admin's word, or proof that the job stopped)."""
+        for reservation in self._unique_entries():
+            if reservation.job_id == job_id and reservation.phase is Phase.HELD:
+                log.info("released hold on job %d (%s): %s", job_id, reservation.upstream, why)
+                self._apply(reservation, Event.PROVEN_STOPPED)
+                return reservation
+        return None
+
+    def _apply(self, reservation: Reservation, event: Event) -> None:
+        """The one place a phase changes, with what entering the new phase entails."""
+        before = reservation.phase
+        after = next_phase(before, event)
+        if after is before:
+            return
+        reservation.phase = after
+        if after is Phase.HELD:
+            log.warning(
+                "holding %s for job %d on %s: %s",
+                ", ".join(reservation.resources),
+                reservation.job_id,
+                reservation.upstream,
+                reservation.hold_reason,
+            )
+            self._save_holds()
+        elif after is Phase.RELEASED:
+            self._free(reservation)
+            if before is Phase.HELD:
+                self._save_holds()
+        self._state.notify()
+
+    def _free(self, reservation: Reservation) -> None:
+        now = trio.current_time()
+        reservation.released_at = now
+        for name in reservation.resources:
+            jobs = self._jobs.get(name, [])
+            if reservation in jobs:
+                jobs.remove(reservation)
+                if not jobs:
+                    del self._jobs[name]
+            self._released_at[name] = now
+            self._changed_at[name] = now
+        self._released_total += 1
+        self._state.request_sample()
+
+    def note_yield(self, resources: tuple[str, ...]) -> None:
+        """An upstream was asked to give memory back: residency seen before is void."""
+        now = trio.current_time()
+        for name in resources:
+            self._changed_at[name] = now
+
+    def proof_not_before(self, resources: tuple[str, ...]) -> float:
+        """How new a residency proof must be: after the last job ended or yield on any of
+        `resources` (minus infinity when neither ever happened)."""
+        return max(
+            (self._changed_at.get(name, float("-inf")) for name in resources), default=float("-inf")
+        )
+
+    # -- reclaim support ---------------------------------------------------------------------
+
+    def attach(self, reservation: Reservation, handle: RelayHandle) -> None:
+        self._relays[reservation.job_id] = handle
+
+    def entries_for(self, upstream: str) -> list[Reservation]:
+        return [r for r in self._unique_entries() if r.upstream == upstream]
+
+    def cancel(self, reservation: Reservation, refusal: Refuse) -> bool:
+        """Stop the proxied request of a job, if it is still being relayed."""
+        handle = self._relays.pop(reservation.job_id, None)
+        if handle is None:
+            return False
+        handle.cancel(refusal)
+        return True
+
+    # -- durable holds -----------------------------------------------------------------------
+
+    def restore_holds(self, known_resources: set[str]) -> int:
+        """Re-hold what an earlier run could not prove stopped. Returns how many.
+
+        Fails closed: a holds file that is there but cannot be trusted could have named
+        any resource, so every one of `known_resources` refuses until an admin clears it.
+        """
+        entries = self._holds.load(known_resources)
+        if self._holds.unreadable is not None:
+            self._state.state_files.report(self._holds.unreadable)
+            self._state.notify()
+            return 0
+        for entry in entries:
+            reservation = Reservation(
+                job_id=next(_job_ids),
+                upstream=entry["upstream"],
+                resources=tuple(entry["resources"]),
+                model=entry.get("model"),
+                started_at=trio.current_time(),
+                phase=Phase.HELD,
+                job_ids=tuple(entry.get("job_ids", [])),
+                hold_reason=without_restored_notes(entry["reason"]),
+                held_since=str(entry.get("since", "")),
+                restored=True,
+            )
+            for name in reservation.resources:
+                self._jobs.setdefault(name, []).append(reservation)
+        if entries:
+            self._save_holds()
+        return len(entries)
+
+    def _save_holds(self) -> None:
+        self._holds.save(
+            [
+                {
+                    "job_id": r.job_id,
+                    "upstream": r.upstream,
+                    "resources": list(r.resources),
+                    "model": r.model,
+                    "job_ids": list(r.job_ids),
+                    "reason": r.hold_reason,
+                    "since": r.held_since,
+                }
+                for r in self._unique_entries()
+                if r.phase is Phase.HELD
+            ]
+        )
+
+    @property
+    def unreadable_holds(self) -> StateFileProblem | None:
+        """The untrusted holds file that makes every resource refuse, if there is one."""
+        return self._holds.unreadable
+
+    def clear_unreadable_holds(self, why: str) -> Path | None:
+        """An admin's word: move the untrusted holds file aside and lend again.
+
+        Returns where the file went (None if there was nothing to clear, or the file was
+        already gone). The holds this run knows of are then saved to a fresh file. Raises
+        OSError, still refusing, when the file cannot be moved.
+        """
+        cleared = self._holds.clear(why)
+        if cleared is None:
+            return None
+        problem, moved = cleared
+        self._state.state_files.resolve(problem.path)
+        self._save_holds()
+        self._state.notify()
+        return moved
+
+    # -- readings ----------------------------------------------------------------------------
+
+    def awaits_sample(self, resource: str) -> bool:
+        released = self._released_at.get(resource)
+        if released is None:
+            return False
+        observation = self._state.observation(resource)
+        if observation is not None and observation.taken_at > released:
+            del self._released_at[resource]
+            return False
+        return True
+
+    async def wait_post_release_sample(self, resources: tuple[str, ...], timeout_s: float) -> None:
+        """Give a just-released resource a moment to be re-measured before refusing.
+
+        Back-to-back requests from one borrower are the common case; refusing the second
+        one because the collector has not ticked yet would be correct but needlessly rude.
+        Returns after `timeout_s` at the latest; the caller then decides as usual.
+        """
+        with trio.move_on_after(timeout_s):
+            while any(self.awaits_sample(name) for name in resources):
+                self._state.request_sample()
+                await self._state.wait_changed()
+
+    def uncounted_mib(self, resource: str, reading_taken_at: float) -> int:
+        """MiB charged to jobs admitted after the reading: not yet in its free memory."""
+        return sum(
+            r.charged_mib.get(resource, 0)
+            for r in self._jobs.get(resource, [])
+            if r.started_at >= reading_taken_at
+        )
+
+    def holder(self, resource: str) -> Reservation | None:
+        """The oldest job holding the resource, if any."""
+        jobs = self._jobs.get(resource)
+        return jobs[0] if jobs else None
+
+    def holders(self, resource: str) -> tuple[Reservation, ...]:
+        return tuple(self._jobs.get(resource, ()))
+
+    def _unique_entries(self) -> list[Reservation]:
+        return list({id(r): r for jobs in self._jobs.values() for r in jobs}.values())
+
+    def statistics(self) -> LedgerStatistics:
+        return LedgerStatistics(
+            entries=tuple(self._unique_entries()),
+            awaiting_sample=tuple(
+                sorted(name for name in list(self._released_at) if self.awaits_sample(name))
+            ),
+            reserved_total=self._reserved_total,
+            released_total=self._released_total,
+            busy_refusals=dict(self._busy_refusals),
+            shared_total=self._shared_total,
+        )
+
+
+def _busy(resource: str, detail: str) -> Refuse:
+    return Refuse(Reason.RESOURCE_BUSY, RETRY_RESOURCE_BUSY, detail, resource=resource)
+
+
+__all__ = ["HOLDING", "Ledger", "LedgerStatistics", "RelayHandle", "Reservation", "Share"]

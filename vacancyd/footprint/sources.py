@@ -1,0 +1,130 @@
+"""Where `vacancyd footprint` finds a model's geometry and context on a running server.
+
+Blocking HTTP for the CLI (the daemon's adapters own their own asynchronous probes):
+
+- llama-server: `GET /props` names the model file (`model_path`), the context of one slot
+  (`default_generation_settings.n_ctx`) and the number of slots (`total_slots`);
+- Ollama: `POST /api/show` returns the model's GGUF metadata as `model_info` and its
+  Modelfile parameters (`num_ctx` among them); `GET /api/tags` gives its size on disk.
+
+Replies are read up to MAX_REPLY_BYTES and must be JSON objects; anything else is a
+SourceError that says which URL answered what.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+import attrs
+import httpx
+
+MAX_REPLY_BYTES: Final = 64 * 1024 * 1024
+_NUM_CTX: Final = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
+
+
+class SourceError(Exception):
+    """A server could not tell us what we asked; the message says which and why."""
+
+
+@attrs.frozen
+class LlamaServerProps:
+    model_path: str | None
+    model_alias: str | None
+    slot_context: int | None
+    total_slots: int | None
+
+
+@attrs.frozen
+class OllamaModel:
+    model_info: dict[str, Any]
+    size_bytes: int | None
+    num_ctx: int | None
+
+
+def llamacpp_props(client: httpx.Client, target: str) -> LlamaServerProps:
+    """What llama-server's `/props` says about its model and slots."""
+    props = _json(client, "GET", _url(target, "/props"))
+    settings = props.get("default_generation_settings")
+    slot_context = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return LlamaServerProps(
+        model_path=_str_or_none(props.get("model_path")),
+        model_alias=_str_or_none(props.get("model_alias")),
+        slot_context=_positive_or_none(slot_context),
+        total_slots=_positive_or_none(props.get("total_slots")),
+    )
+
+
+def ollama_model(client: httpx.Client, target: str, model: str) -> OllamaModel:
+    """Ollama's metadata, size and Modelfile `num_ctx` for one model.
+
+    `/api/show` without `verbose` replaces arrays longer than five items with `[]`, and
+    per-layer values are such arrays; when any model key came back that way, it is asked
+    again with `verbose` (which also sends the whole vocabulary, hence the reply cap).
+    """
+    show = _json(client, "POST", _url(target, "/api/show"), {"model": model})
+    info = show.get("model_info")
+    if not isinstance(info, dict):
+        raise SourceError(f"{target}/api/show has no model_info for {model!r}")
+    architecture = info.get("general.architecture")
+    if any(value == [] for key, value in info.items() if key.startswith(f"{architecture}.")):
+        show = _json(client, "POST", _url(target, "/api/show"), {"model": model, "verbose": True})
+        verbose_info = show.get("model_info")
+        if isinstance(verbose_info, dict):
+            info = verbose_info
+    parameters = show.get("parameters")
+    found = _NUM_CTX.search(parameters) if isinstance(parameters, str) else None
+    return OllamaModel(
+        model_info=info,
+        size_bytes=_ollama_size(client, target, model),
+        num_ctx=int(found.group(1)) if found else None,
+    )
+
+
+def _ollama_size(client: httpx.Client, target: str, model: str) -> int | None:
+    """The model's size on disk from `/api/tags`; None when it is not listed."""
+    try:
+        tags = _json(client, "GET", _url(target, "/api/tags"))
+    except SourceError:
+        return None
+    names = {model, model if ":" in model else f"{model}:latest"}
+    for entry in tags.get("models") or []:
+        if isinstance(entry, dict) and (entry.get("name") in names or entry.get("model") in names):
+            return _positive_or_none(entry.get("size"))
+    return None
+
+
+def _json(client: httpx.Client, method: str, url: str, body: Any = None) -> dict[str, Any]:
+    try:
+        with client.stream(method, url, json=body) as response:
+            raw = bytearray()
+            for chunk in response.iter_bytes():
+                raw += chunk
+                if len(raw) > MAX_REPLY_BYTES:
+                    raise SourceError(f"{url} answered more than {MAX_REPLY_BYTES} bytes")
+            status = response.status_code
+    except httpx.HTTPError as exc:
+        raise SourceError(f"cannot reach {url}: {exc}") from exc
+    if status != 200:
+        text = bytes(raw[:300]).decode("utf-8", errors="replace").strip()
+        raise SourceError(f"{url} answered {status}: {text}")
+    try:
+        document = json.loads(raw)
+    except ValueError as exc:
+        raise SourceError(f"{url} did not answer JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise SourceError(f"{url} did not answer a JSON object")
+    return document
+
+
+def _url(target: str, path: str) -> str:
+    return target.rstrip("/") + path
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _positive_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

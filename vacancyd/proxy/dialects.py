@@ -1,0 +1,99 @@
+"""vacancyd's own answers written the way the route's server writes its errors.
+
+A client shows a server's error the way that server writes it: the ollama client keeps
+the string under "error" and shows a dict as a dict; OpenAI and Anthropic SDKs lift
+`type`, `code` and `message` from their error objects; ComfyUI's front end reads
+`error.message`; FastAPI clients read "detail". Each body here keeps the reason code and
+the message a person needs, in the place that route's clients look.
+
+Streams: a borrowed stream cut by reclaim after its headers cannot get a status any more,
+so it ends with one last error in the stream's own framing (an SSE event, an NDJSON line)
+before the connection is broken. Clients that read stream errors raise it with the
+reason (the openai SDK raises `APIError`, the ollama client `ResponseError`); clients
+that do not still see a broken transfer, never a clean end.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vacancyd.adapters import Dialect
+
+SSE = b"text/event-stream"
+NDJSON = b"application/x-ndjson"
+
+
+def error_body(
+    dialect: Dialect,
+    error_type: str,
+    code: str,
+    message: str,
+    *,
+    retry_after_s: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON body of one of vacancyd's answers, in `dialect`."""
+    error = {"type": error_type, "code": code, "message": message, **extra}
+    if dialect is Dialect.ANTHROPIC:
+        return {"type": "error", "error": error}
+    if dialect is Dialect.OLLAMA:
+        return {"error": one_line(code, message, retry_after_s)}
+    if dialect is Dialect.COMFYUI:
+        comfy = {"type": error_type, "code": code, "message": message, "details": message}
+        return {"error": {**comfy, "extra_info": extra}, "node_errors": {}}
+    if dialect is Dialect.CHATTERBOX:
+        return {"detail": one_line(code, message, retry_after_s), "error": error}
+    return {"error": error}
+
+
+def one_line(code: str, message: str, retry_after_s: int | None = None) -> str:
+    """The whole answer as one string, for clients that show nothing else: the code
+    first (what a script matches on), then the message, then when to come back."""
+    text = f"{code}: {message}"
+    return text if retry_after_s is None else f"{text} (retry after {retry_after_s}s)"
+
+
+def stream_error(dialect: Dialect, content_type: bytes | None, code: str, message: str) -> bytes:
+    """The last frame of a cut stream of `content_type`, or b"" where its framing is not
+    one vacancyd can write a final error in (raw audio, an unknown type)."""
+    kind = (content_type or b"").split(b";", 1)[0].strip().lower()
+    error = {"type": "no_vacancy", "code": code, "message": message}
+    if kind == SSE and dialect is Dialect.ANTHROPIC:
+        event = {"type": "error", "error": error}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    if kind == SSE:
+        return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    if kind == NDJSON:
+        return json.dumps({"error": one_line(code, message)}).encode() + b"\n"
+    return b""
+
+
+class StreamTail:
+    """What a borrower was sent of an answer: whether its headers went out (`started`), and
+    whether its body so far ends between two frames, so a final frame can follow whole.
+
+    A chunk whose send was interrupted may or may not have gone out; the tail then counts
+    as a boundary only if it is one either way.
+    """
+
+    def __init__(self) -> None:
+        self.started = False
+        self._sent = b""
+        self._maybe: bytes | None = None
+
+    def sending(self, chunk: bytes) -> None:
+        self._maybe = (self._sent + chunk)[-4:]
+
+    def sent(self) -> None:
+        if self._maybe is not None:
+            self._sent, self._maybe = self._maybe, None
+
+    def at_boundary(self, content_type: bytes | None) -> bool:
+        kind = (content_type or b"").split(b";", 1)[0].strip().lower()
+        ends = (b"\n\n", b"\r\n\r\n", b"\r\r") if kind == SSE else (b"\n",)
+        return all(
+            tail == b"" or tail.endswith(ends)
+            for tail in (self._sent, self._maybe)
+            if tail is not None
+        )

@@ -1,0 +1,35 @@
+"""How a refusal is told over HTTP, the same on every listener: headers, not bodies.
+
+Bodies differ per route (proxy/dialects.py), and a client that cannot read the body's
+shape, or cannot see the body at all (a load balancer, a browser page across origins),
+still needs the reason. So every answer vacancyd makes itself names its code in
+`X-Vacancyd-Reason`, and a refusal adds two hints that are read by different parties:
+
+* `Retry-After`: when a gateway should come back to this host (LiteLLM benches a
+  deployment for it). The openai SDK also sleeps it before retrying in place, and never
+  retries when it exceeds 120 s.
+* `x-should-retry`: whether an SDK client should retry in place at all. The openai and
+  anthropic SDKs obey it before their own status rules. vacancyd says `false` unless the
+  reason is one the upstream lists in `retry_in_place` (by default only `resource_busy`,
+  a slot that frees within seconds): a client sleeping 120 s in place, twice, learns
+  nothing a gateway's failover would not tell it at once.
+"""
+
+from __future__ import annotations
+
+REASON_HEADER = b"x-vacancyd-reason"
+SHOULD_RETRY_HEADER = b"x-should-retry"
+# Response headers a browser page may read across origins; CORS safelists none of them.
+EXPOSED_HEADERS = b"retry-after, x-vacancyd-reason, x-should-retry"
+
+
+def advice_headers(
+    code: str, *, retry_after_s: int | None = None, retry_in_place: bool | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The reason header, plus Retry-After and the retry stance where they apply."""
+    headers = [(REASON_HEADER, code.encode("ascii"))]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode("ascii")))
+    if retry_in_place is not None:
+        headers.append((SHOULD_RETRY_HEADER, b"true" if retry_in_place else b"false"))
+    return headers
