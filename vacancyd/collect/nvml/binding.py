@@ -1,0 +1,223 @@
+"""The NVML library binding: the only module that imports pynvml.
+
+Every call here blocks in the driver and must run on a worker thread under a deadline
+(the broker in collector.py does that). Methods raise pynvml.NVMLError as NVML reports
+it; `error_code` reads its code, and SESSION_BROKEN lists the codes after which nothing
+from this library session can be trusted again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, TypeAlias
+
+import attrs
+import pynvml
+
+from vacancyd.collect.nvml.naming import DeviceIdentity
+
+# An opaque nvmlDevice_t as pynvml hands it out; only ever passed back to pynvml.
+DeviceHandle: TypeAlias = Any
+
+# NVML codes after which a handle (or the whole library session) cannot be trusted again
+# until NVML is initialised afresh.
+SESSION_BROKEN = frozenset(
+    int(code)
+    for code in (
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_ERROR_RESET_REQUIRED,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+        pynvml.NVML_ERROR_GPU_NOT_FOUND,
+    )
+)
+# Codes meaning "this driver has no memory v2 call": fall back to v1 for good.
+_NO_MEMORY_V2 = frozenset(
+    int(code)
+    for code in (
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+    )
+)
+
+
+def error_code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+@attrs.frozen
+class LibrarySession:
+    driver_version: str
+    device_count: int
+
+
+@attrs.frozen
+class OpenedDevice:
+    handle: DeviceHandle
+    identity: DeviceIdentity
+
+
+@attrs.frozen
+class GpuReading:
+    total_bytes: int
+    free_bytes: int
+    # Driver and firmware reservations; None where the driver has only the v1 memory call.
+    reserved_bytes: int | None
+    # None where the GPU does not report utilisation (NVML answers "not supported").
+    utilization_pct: float | None
+
+
+@attrs.frozen
+class GpuProcess:
+    pid: int
+    # None where the driver cannot say (WDDM on Windows reports N/A for every process).
+    used_bytes: int | None
+
+
+@attrs.frozen
+class RunningProcesses:
+    compute: tuple[GpuProcess, ...]
+    graphics: tuple[GpuProcess, ...]
+
+
+@attrs.frozen
+class ProcessUtilization:
+    """Per-process SM use since the previous read, newest sample per process.
+
+    Pass `newest_timestamp_us` back as `last_seen_us` next time so that each NVML sample is
+    counted once; it is unchanged when no process had a newer sample.
+    """
+
+    samples: tuple[tuple[int, int], ...]  # (pid, SM utilisation %)
+    newest_timestamp_us: int
+
+
+class NvmlLibrary:
+    """Blocking calls into NVML through pynvml.
+
+    Every method blocks in the driver and must run on a worker thread (the collector runs
+    each under its deadline). Methods raise pynvml.NVMLError as NVML reports it.
+    """
+
+    def __init__(self) -> None:
+        # Memory v2 separates the driver's reservation; pynvml releases before it lack it.
+        self._memory_v2 = hasattr(pynvml, "nvmlMemory_v2")
+
+    def start(self) -> LibrarySession:
+        """Initialise NVML (reference counted) and read what enumeration found.
+
+        On failure after the init itself succeeded, the init is undone so that the
+        caller only ever owns the sessions this returns.
+        """
+        pynvml.nvmlInit()
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            count = int(pynvml.nvmlDeviceGetCount())
+        except BaseException:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+            raise
+        return LibrarySession(driver_version=driver, device_count=count)
+
+    def stop(self) -> None:
+        pynvml.nvmlShutdown()
+
+    def open_by_index(self, index: int) -> OpenedDevice:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pci = pynvml.nvmlDeviceGetPciInfo(handle)
+        identity = DeviceIdentity(
+            index=index,
+            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            pci_bus_id=_text(pci.busId),
+            name=_text(pynvml.nvmlDeviceGetName(handle)),
+        )
+        return OpenedDevice(handle=handle, identity=identity)
+
+    def read(self, handle: DeviceHandle) -> GpuReading:
+        """Free and total memory and GPU utilisation: the capacity sample."""
+        reserved: int | None = None
+        memory: Any = None
+        if self._memory_v2:
+            try:
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+                reserved = int(memory.reserved)
+            except pynvml.NVMLError as exc:
+                if error_code(exc) not in _NO_MEMORY_V2:
+                    raise
+                self._memory_v2 = False
+        if memory is None:
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            utilization: float | None = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except pynvml.NVMLError_NotSupported:
+            utilization = None
+        return GpuReading(
+            total_bytes=int(memory.total),
+            free_bytes=int(memory.free),
+            reserved_bytes=reserved,
+            utilization_pct=utilization,
+        )
+
+    def compute_processes(self, handle: DeviceHandle) -> tuple[GpuProcess, ...]:
+        return _processes(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+
+    def graphics_processes(self, handle: DeviceHandle) -> tuple[GpuProcess, ...]:
+        return _processes(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
+
+    def process_utilization(self, handle: DeviceHandle, last_seen_us: int) -> ProcessUtilization:
+        """SM use per process from samples newer than `last_seen_us` (0: all buffered).
+
+        NVML answers "not found" when no process has a newer sample, which on an idle GPU
+        is the normal answer, so it reads as no samples rather than as a failure.
+        """
+        try:
+            raw = pynvml.nvmlDeviceGetProcessUtilization(handle, last_seen_us)
+        except pynvml.NVMLError_NotFound:
+            return ProcessUtilization(samples=(), newest_timestamp_us=last_seen_us)
+        newest: dict[int, tuple[int, int]] = {}
+        for sample in raw:
+            pid, stamp, sm = int(sample.pid), int(sample.timeStamp), int(sample.smUtil)
+            if pid not in newest or stamp >= newest[pid][0]:
+                newest[pid] = (stamp, sm)
+        return ProcessUtilization(
+            samples=tuple((pid, sm) for pid, (_, sm) in sorted(newest.items())),
+            newest_timestamp_us=max([last_seen_us, *(stamp for stamp, _ in newest.values())]),
+        )
+
+
+def _processes(raw: Any) -> tuple[GpuProcess, ...]:
+    return tuple(
+        GpuProcess(
+            pid=int(p.pid), used_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+        )
+        for p in raw
+    )
+
+
+# -- one outstanding call per GPU ----------------------------------------------------------
+
+
+def describe_start_failure(exc: BaseException) -> str:
+    code = error_code(exc)
+    if code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        return "NVML not loadable: libnvidia-ml.so.1 not found (is the NVIDIA driver installed?)"
+    if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        return "NVML not loadable: the NVIDIA kernel driver is not loaded"
+    if code == pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH:
+        return (
+            "NVML not loadable: libnvidia-ml and the kernel driver are different versions"
+            " (driver updated without a reboot?)"
+        )
+    if code == pynvml.NVML_ERROR_NO_PERMISSION:
+        return "NVML not loadable: permission denied opening the NVIDIA device files"
+    return f"NVML not loadable: {exc}"
