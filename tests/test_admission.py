@@ -149,3 +149,78 @@ async def test_admission_is_refused_by_lending_switch_before_the_ledger() -> Non
     outcome = await admission.admit(config_from(BASIC).upstream[0], None)
     assert isinstance(outcome, Refuse) and outcome.reason is Reason.LENDING_DISABLED
     assert outcome.retry_after_s == 300
+
+
+async def test_a_sample_asked_after_the_whole_answer_counts_as_post_release(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    state = _ready_state()
+    ledger = Ledger(state)
+    job = ledger.try_reserve("llama", ("ram",), None)
+    assert isinstance(job, Reservation)
+    await trio.sleep(1.0)
+    asked = state.sample_requests
+    ledger.answered(job)
+    assert state.sample_requests == asked + 1  # asked for while the answer is written
+    await trio.sleep(0.1)
+    state.record_observation(Observation("ram", trio.current_time(), 32 * 1024 * MIB, MIB))
+    await trio.sleep(0.1)
+    ledger.release(job)
+    assert state.sample_requests == asked + 1  # the release asks for no second sample
+    assert not ledger.awaits_sample("ram")
+    assert isinstance(ledger.try_reserve("llama", ("ram",), None), Reservation)
+
+
+async def test_a_reading_from_before_the_whole_answer_still_does_not_count(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    state = _ready_state()
+    ledger = Ledger(state)
+    job = ledger.try_reserve("llama", ("ram",), None)
+    assert isinstance(job, Reservation)
+    await trio.sleep(1.0)
+    state.record_observation(Observation("ram", trio.current_time(), 32 * 1024 * MIB, MIB))
+    await trio.sleep(0.1)
+    ledger.answered(job)
+    ledger.release(job)
+    assert ledger.awaits_sample("ram")
+
+
+async def test_the_answer_of_a_job_the_upstream_runs_on_does_not_end_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    state = _ready_state()
+    ledger = Ledger(state)
+    job = ledger.try_reserve("comfy", ("ram",), None, job_ids=("prompt-1",))
+    assert isinstance(job, Reservation)
+    ledger.answered(job)  # the prompt was queued, not run: nothing to sample yet
+    assert job.answered_at is None
+    ledger.track(job)
+    await trio.sleep(5.0)
+    state.record_observation(Observation("ram", trio.current_time(), 32 * 1024 * MIB, MIB))
+    await trio.sleep(1.0)
+    ledger.release(job)
+    assert ledger.awaits_sample("ram")  # the reading taken while it ran does not count
+
+
+async def test_waiting_for_the_post_release_sample_asks_for_no_more_samples(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    state = _ready_state()
+    ledger = Ledger(state)
+    job = ledger.try_reserve("llama", ("ram",), None)
+    assert isinstance(job, Reservation)
+    ledger.release(job)
+    asked = state.sample_requests  # the release asked for one
+
+    async def collector() -> None:
+        await trio.sleep(0.1)
+        state.notify()  # some other change first: not a reason to ask again
+        await trio.sleep(0.1)
+        state.record_observation(Observation("ram", trio.current_time(), 32 * 1024 * MIB, MIB))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(collector)
+        await ledger.wait_post_release_sample(("ram",), timeout_s=2.0)
+    assert not ledger.awaits_sample("ram")
+    assert state.sample_requests == asked

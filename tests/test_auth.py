@@ -220,7 +220,9 @@ async def test_an_admin_token_pauses_lending_and_work_is_then_refused(
         assert daemon.state.lending_enabled
         paused = await pause(http, daemon, headers=bearer(ADMIN))
         assert paused.status_code == 200
-        assert paused.json() == {"lending": {"enabled": False}}
+        assert paused.json() == {
+            "lending": {"enabled": False, "paused_until": None, "resumes_in_s": None}
+        }
         refused = await work(http, daemon, headers=bearer(BORROW))
         assert refused.status_code == 503
         assert refused.headers["retry-after"] == "300"
@@ -560,7 +562,7 @@ def test_one_token_may_hold_several_scopes() -> None:
 def test_trusted_loopback_passes_only_loopback_callers() -> None:
     auth = authenticator((BORROW, [Scope.BORROW]), trust_loopback=True)
     for host in ("127.0.0.1", "127.8.9.10", "::1"):
-        assert auth.check(None, host, Scope.BORROW).token_name == "loopback"
+        assert auth.check(None, host, Scope.BORROW).token_name == "local"
     for other in (REMOTE, "10.0.0.1", "0.0.0.0", "::", None):
         assert not auth.check(None, other, Scope.BORROW).allowed, other
 

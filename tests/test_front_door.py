@@ -25,7 +25,7 @@ from vacancyd.proxy.policy import (
 from vacancyd.proxy.tunnel import expected_accept
 from vacancyd.serving import head_problem
 
-ALLOWED = AuthResult(True, token_name="loopback")
+ALLOWED = AuthResult(True, token_name="local")
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
 UPGRADE = [
     (b"host", b"127.0.0.1"),

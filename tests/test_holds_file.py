@@ -106,6 +106,7 @@ BAD_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
         "no upstream or reason",
     ),
     "bad-job-ids": (holds_file(HOLDS_KIND, {"holds": [hold_entry(job_ids="p-1")]}), "job_ids"),
+    "bad-borrower": (holds_file(HOLDS_KIND, {"holds": [hold_entry(borrower=7)]}), "borrower"),
     "symlink": (symlink_elsewhere, "symbolic link"),
     "other-owner": (foreign_owner, f"owned by uid {NOBODY}"),
     "group-readable": (holds_file(HOLDS_KIND, {"holds": []}, 0o640), "mode 0640"),

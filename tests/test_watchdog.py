@@ -97,6 +97,21 @@ PRESSURED = {"refuses": "resource_pressured", "refusal_detail": "the owner's loa
     [
         ({}, "lending: llama, tts"),
         ({"lending": {"enabled": False}}, "not lending: paused by the owner"),
+        (
+            {"lending": {"enabled": False, "paused_until": "2026-01-14T14:00:00+00:00"}},
+            "not lending: paused by the owner until 2026-01-14T14:00:00+00:00",
+        ),
+        # Outside the lending hours, like the owner, only host-scoped upstreams refuse.
+        (
+            {
+                "lending_hours": {
+                    "refuses": "outside_lending_hours",
+                    "refusal_detail": "the owner lends only at set hours (opens Wed 22:00 CET)",
+                }
+            },
+            "lending: tts; not llama: outside_lending_hours (the owner lends only at set hours "
+            "(opens Wed 22:00 CET))",
+        ),
         # A resource-scoped upstream lends whatever the owner does.
         (
             {"presence": OWNER},

@@ -14,14 +14,19 @@ command -v g++ >/dev/null || need_packages+=(g++)
 command -v make >/dev/null || need_packages+=(make)
 # systemd-analyze verifies conf/vacancyd.service (tests/test_systemd_unit.py).
 command -v systemd-analyze >/dev/null || need_packages+=(systemd)
+# Debian's chromium drives the owner console in a real browser (tests/test_console.py).
+command -v chromium >/dev/null || need_packages+=(chromium)
 if [ ${#need_packages[@]} -gt 0 ]; then
-  echo "test.sh: installing ${need_packages[*]} (to build llama-server, to verify the unit)" >&2
-  apt-get update -qq && apt-get install -y -qq "${need_packages[@]}" >/dev/null
+  echo "test.sh: installing ${need_packages[*]} (to build llama-server, to verify the unit," \
+    "to drive the console)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_packages[@]}" >/dev/null
 fi
 
 if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
+# Playwright drives the system chromium (executable_path): it never downloads a browser.
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
 "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
 "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
 

@@ -7,6 +7,7 @@ so neither the token nor its length leaks through timing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -17,6 +18,7 @@ from typing import Any, Final
 
 import attrs
 
+from vacancyd.accounting import ANONYMOUS, LOCAL
 from vacancyd.config import AuthConfig, Scope, is_loopback_host
 from vacancyd.errors import StartupError
 from vacancyd.persist import UntrustedFile, daemon_uid, read_private_bytes
@@ -31,6 +33,8 @@ class AuthResult:
     status: int = 200
     code: str = ""
     message: str = ""
+    # Who was let in, for per-borrower accounting: the matching token's name, LOCAL for
+    # a trusted loopback caller, or ANONYMOUS where no token guards the scope.
     token_name: str = ""
 
 
@@ -141,14 +145,14 @@ class Authenticator:
         # A trusted caller may carry a credential meant for the upstream (OpenAI SDKs always
         # send one); it is not ours to judge, so it does not turn trust into a denial.
         if self._trust_loopback and local:
-            return AuthResult(True, token_name="loopback")
+            return AuthResult(True, token_name=LOCAL)
         # No token carries this scope, so there is nothing a caller could present. That is
         # open to callers on this machine, and to the network only where the operator opted
         # in with allow_unauthenticated_remote; a listener that shares its socket with
         # another scope (the API: read and admin) never opens the other by accident.
         unguarded = not any(scope in known.scopes for known in self._known)
         if unguarded and (local or self._open_remote):
-            return AuthResult(True, token_name="anonymous")
+            return AuthResult(True, token_name=ANONYMOUS)
         if match is not None:
             return AuthResult(
                 False, 403, "forbidden", f"token {match.name!r} lacks the {scope.value} scope"
@@ -173,6 +177,7 @@ class Authenticator:
         return match
 
 
+@functools.lru_cache(maxsize=256)  # asked of every request's Host header; bounded
 def _names_this_machine(host_header: str | None) -> bool:
     """Whether a Host header names a loopback address or an IP literal, not a DNS name.
 

@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--json", action="store_true", help="print the raw JSON document")
         if name == "release":
             _release_arguments(sub)
+        if name == "pause":
+            sub.add_argument(
+                "--for",
+                dest="for_s",
+                metavar="DURATION",
+                type=_duration,
+                help="a snooze: lend again by itself after this long, e.g. 2h, 1h30m (at most 30d)",
+            )
     _operator_commands(commands)
     return parser
 
@@ -279,16 +287,32 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _set_lending(args: argparse.Namespace, enabled: bool) -> int:
-    answer = _ask(args, Scope.ADMIN, "POST", "/admin/lending", {"enabled": enabled})
+def _set_lending(args: argparse.Namespace, enabled: bool, for_s: float | None = None) -> int:
+    body: dict[str, Any] = {"enabled": enabled}
+    if for_s is not None:
+        body["for_s"] = for_s
+    answer = _ask(args, Scope.ADMIN, "POST", "/admin/lending", body)
     if isinstance(answer, int):
         return answer
-    print("lending resumed" if enabled else "lending paused: new borrowed work is refused")
+    if enabled:
+        print("lending resumed")
+    elif answer["lending"].get("paused_until"):
+        until = _local_time(answer["lending"]["paused_until"])
+        print(f"lending paused until {until}: new borrowed work is refused until then")
+    else:
+        print("lending paused: new borrowed work is refused until you resume")
     return EXIT_OK
 
 
+def _local_time(iso: str) -> str:
+    """An ISO time from the daemon in this machine's local time, for a person."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).astimezone().strftime("%a %Y-%m-%d %H:%M %Z")
+
+
 def _pause(args: argparse.Namespace) -> int:
-    return _set_lending(args, False)
+    return _set_lending(args, False, args.for_s)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -400,7 +424,8 @@ def render_status(document: dict[str, Any]) -> str:
     lines = [
         f"vacancyd {document.get('version', '?')}: "
         f"{'ready' if document.get('ready') else 'NOT READY'}, "
-        f"lending {'on' if document['lending']['enabled'] else 'PAUSED'}",
+        f"lending {_lending_words(document['lending'])}",
+        *_hours_lines(document.get("lending_hours")),
     ]
     presence = document["presence"]
     lines.append(
@@ -440,11 +465,13 @@ def render_status(document: dict[str, Any]) -> str:
         lines.append(
             f"  {name} ({upstream['adapter']}): {where} -> {upstream['target']}"
             f" · admitted {upstream['admitted']} · refused {refused}"
+            + _reachability_words(upstream.get("reachability"))
         )
         for job in upstream["active_work"]:
             lines.append(
                 f"    job {job['job_id']} {job['phase']} {job.get('model') or ''} "
                 f"for {job['running_s']:.0f}s"
+                + (f" by {job['borrower']}" if "borrower" in job else "")
             )
         last = upstream.get("last_refusal")
         if last:
@@ -455,8 +482,75 @@ def render_status(document: dict[str, Any]) -> str:
             lines.append(f"    memory recovery: {upstream['memory_recovery']}")
     for problem in document.get("state_files", []):
         lines.append(f"state file {problem['path']} {problem['reason']}: {problem['consequence']}")
+    lines.extend(_borrower_lines(document.get("borrowers") or {}))
     lines.extend(_operator_lines(document))
     return "\n".join(lines)
+
+
+def _reachability_words(reach: dict[str, Any] | None) -> str:
+    """Whether the upstream answers at all: admission counts alone do not say."""
+    if reach is None:
+        return ""
+    if reach["ok"] is None:
+        return " · not contacted yet"
+    if reach["ok"]:
+        return " · answers"
+    since = reach.get("last_ok_age_s")
+    answered = "never answered" if since is None else f"last answered {since:.0f}s ago"
+    return (
+        f" · NOT ANSWERING ({reach['last_error']}, {reach['last_error_age_s']:.0f}s ago; "
+        f"{answered})"
+    )
+
+
+def _borrower_lines(borrowers: dict[str, Any]) -> list[str]:
+    """Who borrowed since the daemon started, and what they held."""
+    if not borrowers:
+        return []
+    lines = ["borrowers:"]
+    for name, use in borrowers.items():
+        refused = ", ".join(f"{k} {v}" for k, v in use["refused"].items()) or "none"
+        held = ", ".join(f"{r} {s:.0f}s" for r, s in use["held_s"].items()) or "nothing"
+        running = f" · {use['active_jobs']} running" if use["active_jobs"] else ""
+        lines.append(
+            f"  {name}: admitted {use['admitted']} · refused {refused} · held {held}{running}"
+        )
+    return lines
+
+
+def _lending_words(lending: dict[str, Any]) -> str:
+    """The lending switch in words: on, PAUSED, or PAUSED until when (and for how long)."""
+    from vacancyd.durations import describe_duration
+
+    if lending["enabled"]:
+        return "on"
+    if not lending.get("paused_until"):
+        return "PAUSED"
+    left = describe_duration(lending.get("resumes_in_s") or 0)
+    return f"PAUSED until {_local_time(lending['paused_until'])} (resumes in {left})"
+
+
+def _hours_lines(hours: dict[str, Any] | None) -> list[str]:
+    """The lending hours, when there are any: inside or not, and the next change (in the
+    owner's zone, which the first line names)."""
+    from datetime import datetime
+
+    from vacancyd.durations import describe_duration
+
+    if not hours or hours.get("always", True):
+        return []
+    windows = "; ".join(
+        f"{','.join(w['days'])} {w['from']}-{w['to']}" for w in hours.get("schedule", [])
+    )
+    inside = hours.get("inside")
+    where = "inside a window" if inside else "OUTSIDE them (host-scoped upstreams refuse)"
+    change = hours.get("next_change")
+    if change:
+        what = "closes" if inside else "opens"
+        left = describe_duration(hours.get("next_change_in_s") or 0)
+        at = datetime.fromisoformat(change).strftime("%a %Y-%m-%d %H:%M")
+        where += f"; {what} {at} (in {left})"
+    return [f"lending hours ({hours.get('timezone') or 'local time'}): {windows}", f"  {where}"]
 
 
 def _operator_lines(document: dict[str, Any]) -> list[str]:

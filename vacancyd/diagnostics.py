@@ -36,7 +36,7 @@ from typing import Any
 import cattrs
 
 import vacancyd
-from vacancyd.config import Config
+from vacancyd.config import Config, LendingWindow
 
 REDACTED = "<redacted>"
 # Keys whose string values are secrets. Paths of files that hold secrets are not.
@@ -60,6 +60,10 @@ PACKAGES = (
 )
 
 _plain = cattrs.Converter()
+# The config as the owner wrote it: `from` is a Python keyword, the field is `from_`.
+_plain.register_unstructure_hook(
+    LendingWindow, lambda w: {"from": w.from_, "to": w.to, "days": list(w.days)}
+)
 
 
 def redact(value: Any, key: str = "") -> Any:

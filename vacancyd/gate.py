@@ -5,15 +5,19 @@ been judged by the shared state and arrives here as plain values. That keeps the
 the rules readable in one place and testable as a table.
 
 The rules run in a fixed order and the first one that applies wins, so a refusal always
-names the most fundamental reason (lending off beats an absent owner, which beats a busy
-GPU). The ledger's one-job-per-resource check runs after this, outside the pure decision.
+names the most fundamental reason (lending off beats the owner's lending hours, which beat
+an absent owner, which beats a busy GPU). The ledger's one-job-per-resource check runs
+after this, outside the pure decision.
 """
 
 from __future__ import annotations
 
+import math
+
 from vacancyd.model import (
     RETRY_INSUFFICIENT_CAPACITY,
     RETRY_LENDING_DISABLED,
+    RETRY_OUTSIDE_HOURS_MAX,
     RETRY_OWNER_VETO,
     RETRY_PRESENCE_UNSAMPLED,
     RETRY_RESOURCE_DISABLED,
@@ -23,6 +27,7 @@ from vacancyd.model import (
     Admit,
     Decision,
     GateInput,
+    LendingHoursView,
     ModelNeed,
     OwnerScope,
     PresenceView,
@@ -43,7 +48,7 @@ def decide(question: GateInput) -> Decision:
             "the owner has paused lending on this machine",
         )
     if question.owner_scope is OwnerScope.HOST:
-        refusal = owner_refusal(question.presence)
+        refusal = hours_refusal(question.lending_hours) or owner_refusal(question.presence)
         if refusal is not None:
             return refusal
     for resource in question.resources:
@@ -54,6 +59,32 @@ def decide(question: GateInput) -> Decision:
     if refusal is not None:
         return refusal
     return Admit(_admit_detail(question.need))
+
+
+def hours_refusal(hours: LendingHoursView) -> Refuse | None:
+    """Outside the owner's lending hours (host-scoped upstreams only, like presence).
+
+    Retry-After points at the next window's start (see `hours_retry_after_s`). The
+    borrower is told no more than that; when exactly, in the owner's time, is internal.
+    """
+    if hours.open:
+        return None
+    return Refuse(
+        Reason.OUTSIDE_LENDING_HOURS,
+        hours_retry_after_s(hours.opens_in_s),
+        "the owner lends this machine only during set hours, and this is outside them",
+        internal=hours.detail,
+    )
+
+
+def hours_retry_after_s(opens_in_s: float | None) -> int:
+    """Seconds until the next window opens, rounded up, from 1 to RETRY_OUTSIDE_HOURS_MAX.
+
+    The cap also answers for a schedule with no next window (one that cannot open).
+    """
+    if opens_in_s is None or not math.isfinite(opens_in_s):
+        return RETRY_OUTSIDE_HOURS_MAX
+    return max(1, min(math.ceil(opens_in_s), RETRY_OUTSIDE_HOURS_MAX))
 
 
 def owner_refusal(presence: PresenceView) -> Refuse | None:

@@ -55,6 +55,8 @@ class Reason(enum.Enum):
     RESOURCE_BUSY = "resource_busy"
     # A job vacancyd could not prove stopped holds the resource until proof or an admin.
     JOB_HELD = "job_held"
+    # The owner lends only in weekly windows ([owner] lending_hours); this is outside them.
+    OUTSIDE_LENDING_HOURS = "outside_lending_hours"
 
 
 class PressureQuality(enum.Enum):
@@ -145,6 +147,20 @@ class PresenceView:
 
 
 @attrs.frozen
+class LendingHoursView:
+    """The owner's lending hours as the gate sees them, already judged against the wall
+    clock by the shared state (the gate reads no clock).
+
+    `opens_in_s` is how long until the next window opens while closed, None when none
+    will (or while open); `detail` says when, in the owner's time, for the operator.
+    """
+
+    open: bool = True
+    opens_in_s: float | None = None
+    detail: str = ""
+
+
+@attrs.frozen
 class ModelNeed:
     """What one request would cost on each budgeted resource, in MiB.
 
@@ -203,6 +219,7 @@ class GateInput:
     presence: PresenceView
     resources: tuple[ResourceView, ...]
     need: ModelNeed
+    lending_hours: LendingHoursView = LendingHoursView()
 
 
 @attrs.frozen
@@ -252,5 +269,9 @@ RETRY_RESOURCE_BUSY = 2
 # A hold ends on proof that the job stopped (polled every few seconds where the upstream
 # can say) or on an admin's word, which takes minutes: come back then, not in 2 s.
 RETRY_JOB_HELD = 300
+# Outside the lending hours, Retry-After is the time until the next window opens, but at
+# most an hour: a gateway that takes it literally still asks again within the hour (the
+# daemon restarted with other hours, a clock set right) and never sleeps for days.
+RETRY_OUTSIDE_HOURS_MAX = 3600
 
 MIB = 1024 * 1024

@@ -1,10 +1,12 @@
 """Giving the machine back: what happens to borrowed work when the owner returns.
 
 One task per upstream listens for rising edges in shared state: the owner veto engaging
-(host-scoped upstreams only) and a resource's pressure guard engaging or its reading
-staying unknown too long (upstreams that use that resource; while the veto is engaged,
-only resource-scoped ones, since the veto has already reclaimed the rest). Each resource's
-edges are its own: an edge on one GPU never touches an upstream that does not use it.
+or the owner's lending hours ending (host-scoped upstreams only; the end of a lending
+window is reclaimed exactly like the owner's return) and a resource's pressure guard
+engaging or its reading staying unknown too long (upstreams that use that resource; while
+the veto is engaged, only resource-scoped ones, since the veto has already reclaimed the
+rest). Each resource's edges are its own: an edge on one GPU never touches an upstream
+that does not use it.
 
 The upstream's `on_owner_return` policy decides what happens to work admitted before the
 edge:
@@ -37,9 +39,10 @@ from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import OnOwnerReturn, UpstreamConfig, parse_target
-from vacancyd.gate import owner_refusal
+from vacancyd.gate import hours_refusal, owner_refusal
 from vacancyd.model import (
     MIB,
+    RETRY_OUTSIDE_HOURS_MAX,
     RETRY_OWNER_VETO,
     RETRY_RESOURCE_PRESSURED,
     OwnerScope,
@@ -48,7 +51,7 @@ from vacancyd.model import (
     Refuse,
     ResourceKind,
 )
-from vacancyd.state import Edge, SharedState
+from vacancyd.state import HOST_EDGE_KINDS, Edge, SharedState
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ class UpstreamReclaim:
 
     def _concerns(self, edge: Edge) -> bool:
         host_scoped = self.upstream.owner_scope is OwnerScope.HOST
-        if edge.kind == "owner":
+        if edge.kind in HOST_EDGE_KINDS:
             return host_scoped
         if edge.resource not in self._resources:
             return False
@@ -201,6 +204,14 @@ class UpstreamReclaim:
         return seen
 
     def _refusal_for(self, edge: Edge) -> Refuse:
+        if edge.kind == "hours":
+            # What a borrower is told now, Retry-After pointing at the next window.
+            return hours_refusal(self._state.lending_hours_view()) or Refuse(
+                Reason.OUTSIDE_LENDING_HOURS,
+                RETRY_OUTSIDE_HOURS_MAX,
+                "the owner's lending hours are over",
+                internal=edge.reason,
+            )
         if edge.kind == "owner":
             return Refuse(
                 Reason.OWNER_ACTIVE, RETRY_OWNER_VETO, f"the owner is back: {edge.reason}"
@@ -221,9 +232,10 @@ class UpstreamReclaim:
         now = trio.current_time()
         if self.upstream.owner_scope is OwnerScope.HOST and (
             owner_refusal(self._state.presence_view(now)) is not None
+            or hours_refusal(self._state.lending_hours_view(now)) is not None
         ):
             return False
-        if edge.kind == "owner" and self.upstream.owner_scope is not OwnerScope.HOST:
+        if edge.kind in HOST_EDGE_KINDS and self.upstream.owner_scope is not OwnerScope.HOST:
             return False
         for name in self._resources:
             pressure = self._state.resource_view(name, now).pressure

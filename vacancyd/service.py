@@ -27,6 +27,7 @@ from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure import PressureCollector
 from vacancyd.collect.system import run_system_collector
 from vacancyd.config import Config, parse_listen, parse_target, resolve_state_dir
+from vacancyd.controls import OwnerControls
 from vacancyd.decisions import DecisionLog
 from vacancyd.errors import StartupError
 from vacancyd.footprint.book import FootprintBook
@@ -145,6 +146,9 @@ async def run_daemon(
     except OSError as exc:
         raise StartupError(f"server.state_dir {state_dir}: {exc.strerror or exc}") from exc
     state = SharedState(config)
+    # The owner's saved switches, before anything can be lent: a pause survives a restart.
+    controls = OwnerControls.for_config(state, state_dir)
+    controls.restore()
     ledger = Ledger(state, holds_path=state_dir / "holds.json")
     restored = ledger.restore_holds(set(state.resources))
     if restored:
@@ -162,6 +166,8 @@ async def run_daemon(
         if handle_signals:
             await root.start(_watch_signals, stop)
         await supervisor.start("debug-window", ops.debug.run)
+        # Snooze and lending hours are judged before any listener admits work.
+        await supervisor.start("owner-controls", controls.run)
 
         memory_and_cpu = [r for r in config.resource if r.kind is not ResourceKind.NVIDIA_GPU]
         gpus = [r for r in config.resource if r.kind is ResourceKind.NVIDIA_GPU]
@@ -256,6 +262,7 @@ async def run_daemon(
                 credential,
                 state_dir,
                 footprints,
+                reachability=state.reachability,
             )
             app.background = background
             reclaims[upstream.name] = UpstreamReclaim(
@@ -263,7 +270,14 @@ async def run_daemon(
             )
             await supervisor.start(f"reclaim:{upstream.name}", reclaims[upstream.name].run)
             tunnels = WebSocketTunnels(
-                upstream, adapter, app.target, admission, auth, limits, credential
+                upstream,
+                adapter,
+                app.target,
+                admission,
+                auth,
+                limits,
+                credential,
+                reachability=state.reachability,
             )
             guards[upstream.name] = ListenerGuard(
                 limits, takeover=tunnels.take_over, wants_takeover=is_websocket_request
@@ -292,6 +306,7 @@ async def run_daemon(
             admission=admission,
             operator=ops.tools(nvml),
             footprints=footprints,
+            controls=controls,
         )
         state.listeners["api"] = await supervisor.start(
             "api",

@@ -5,9 +5,11 @@ Hypercorn 0.18's trio server has gaps that matter for a proxy exposed to a netwo
 smallest change to its connection class:
 
 * no write timeout: a client that stops reading blocks a shielded send forever, and
-  shutdown with it. Here every send has its own deadline (`write_stall_timeout_s`); a
-  stalled client is reset. A response that is still being produced is never cut, because
-  the timer only runs while bytes are waiting to be written.
+  shutdown with it. Here every send that has to wait has its own deadline
+  (`write_stall_timeout_s`); a stalled client is reset. A response that is still being
+  produced is never cut, because the timer only runs while bytes are waiting to be
+  written. Bytes the socket takes at once are written at once, with no lock, deadline
+  or trip through the scheduler (most writes: see docs/performance.md).
 * connections leak when an app cancels itself on disconnect: hypercorn's own close and
   keep-alive bookkeeping run inside the app's send and get cancelled with it. Here they
   are shielded.
@@ -18,9 +20,14 @@ smallest change to its connection class:
 * h2c cannot be refused: here the HTTP/1.1 protocol never switches, so an Upgrade: h2c
   or a prior-knowledge preface is just a request the app refuses.
 
-The header deadline is hypercorn's keep-alive timer, which runs from accept (and after
-each response) until a request's headers are complete: it also reaps idle keep-alive
-connections. Body deadlines belong to the app, which knows when a body is owed.
+The header deadline is the keep-alive timer, which runs from accept (and after each
+response) until a request's headers are complete: it also reaps idle keep-alive
+connections. Hypercorn starts a task for it per request; here one task per connection
+moves its deadline (`_IdleTimer`). Body deadlines belong to the app, which knows when a
+body is owed.
+
+An app that has a response's whole body in hand may ask (`HEAD_WITH_BODY`) for the head
+to go out in the same write as the body: one send and one TCP segment instead of two.
 
 * request heads were bounded only between reads, so one large write passed whole. Here the
   end of every head (the first on a connection and each kept-alive one after it) must fall
@@ -45,6 +52,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
 import re
 import socket
 import struct
@@ -57,7 +66,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
-from hypercorn.protocol.events import Body, EndBody
+from hypercorn.protocol.events import Body, EndBody, StreamClosed
 from hypercorn.protocol.events import Data as StreamData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
@@ -79,6 +88,9 @@ log = logging.getLogger("vacancyd.http")
 
 MAX_RECV = 2**16
 
+# Whether a socket's descriptor can be written with os.write (not on Windows).
+_WRITE_NOW = os.name == "posix"
+
 # Given the connection, the parsed request head, the bytes that followed it and the peer
 # address, take the connection over entirely.
 Takeover = Callable[
@@ -89,6 +101,11 @@ WantsTakeover = Callable[[h11.Request], bool]
 
 # Where h11 finds the end of a head: it accepts bare LF line endings, so this must too.
 _HEAD_END = re.compile(rb"\n\r?\n")
+
+# The ASGI scope extension (a callable, in `scope["extensions"]`) through which an app that
+# has a response's whole body in hand, and sends it right after the head, asks for the
+# head to go out in the same write as the body: one send and one TCP segment, not two.
+HEAD_WITH_BODY = "vacancyd.head_with_body"
 
 
 def head_problem(buffer: bytes, max_bytes: int, max_lines: int) -> str | None:
@@ -175,9 +192,47 @@ class _FrontDoorProtocol(H11Protocol):
     """
 
     guard: ListenerGuard
+    _hold_head = False
+    _held = b""
 
     async def _check_protocol(self, event: Any) -> None:
         return None
+
+    def hold_head(self) -> None:
+        """The app's next response head waits for its first body bytes (HEAD_WITH_BODY)."""
+        self._hold_head = True
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if self._hold_head and type(event) is h11.Response:
+            self._hold_head = False
+            try:
+                self._held = self.connection.send(event) or b""
+            except h11.LocalProtocolError:
+                if self.connection.their_state != h11.ERROR:
+                    raise
+            return
+        if not self._held:
+            await super()._send_h11_event(event)
+            return
+        held, self._held = self._held, b""
+        try:
+            data = self.connection.send(event) or b""
+        except h11.LocalProtocolError:
+            await self.send(RawData(data=held))
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        await self.send(RawData(data=held + data))
+
+    async def stream_send(self, event: Any) -> None:
+        # A held head goes with the body; anything else sends it on its own first, so a
+        # head is never left behind, whatever the app does after asking to hold it.
+        if self._held and not isinstance(event, (Body, EndBody)):
+            held, self._held = self._held, b""
+            await self.send(RawData(data=held))
+        if isinstance(event, StreamClosed):
+            self._hold_head = False
+        await super().stream_send(event)
 
     async def send_continue(self) -> None:
         """Tell a client waiting on `Expect: 100-continue` to send its body (the app has
@@ -251,8 +306,10 @@ class _ConnectionApp:
     async def __call__(
         self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any
     ) -> None:
-        if scope.get("type") == "http" and _expects_continue(scope.get("headers", ())):
-            receive = self._continuing(receive)
+        if scope.get("type") == "http":
+            scope.setdefault("extensions", {})[HEAD_WITH_BODY] = self._protocol.hold_head
+            if _expects_continue(scope.get("headers", ())):
+                receive = self._continuing(receive)
         try:
             await self._app(scope, receive, send, sync_spawn, call_soon)
         except StreamCut:
@@ -302,6 +359,65 @@ _OVER_CAP_RESPONSE = (
 )
 
 
+class _IdleTimer:
+    """A connection's header and keep-alive deadline (hypercorn's idle task): armed at
+    accept and after each response, stopped while a request is in flight.
+
+    Hypercorn starts a task for it after every response and cancels that task at every
+    request. Here one task per connection waits on a deadline that moves instead, so
+    arming and stopping cost an assignment, not a task start. When an armed deadline
+    passes, or the server shuts down while the connection is idle (at once if it was
+    busy then, as soon as it is idle again), `expire` closes the connection.
+    """
+
+    def __init__(
+        self, timeout_s: float, terminated: Any, expire: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._terminated = terminated  # hypercorn's event, set when the server shuts down
+        self._expire = expire
+        self._deadline = math.inf
+        self._scope: trio.CancelScope | None = None
+        self._done = False
+
+    def restart(self) -> None:
+        now = trio.current_time()
+        self._deadline = now if self._terminated.is_set() else now + self._timeout_s
+        if self._scope is not None:
+            self._scope.deadline = self._deadline
+
+    def stop(self) -> None:
+        self._deadline = math.inf
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def close(self) -> None:
+        """The connection is over or taken over: the timer's task ends, never to fire."""
+        self._done = True
+        self.stop()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def run(self) -> None:
+        terminated = False
+        while not self._done:
+            with trio.CancelScope(deadline=self._deadline) as scope:
+                self._scope = scope
+                if terminated:
+                    await trio.sleep_forever()
+                else:
+                    await self._terminated.wait()
+                    terminated = True
+            self._scope = None
+            # A deadline moved after it passed (a request arrived at that moment) or a
+            # shutdown while busy does not close the connection: wait again.
+            armed = self._deadline < math.inf
+            if not self._done and armed and (terminated or self._deadline <= trio.current_time()):
+                with trio.CancelScope(shield=True):
+                    await self._expire()
+                return
+
+
 def reset(stream: Any) -> None:
     """Make the next close send RST: the peer is gone or hostile, don't linger on it."""
     with contextlib.suppress(OSError, AttributeError):
@@ -323,6 +439,9 @@ class HardenedTCPServer(TCPServer):
     ) -> None:
         super().__init__(app, config, context, state, stream)
         self._guard = guard
+        self._idle = _IdleTimer(
+            config.keep_alive_timeout, context.terminated, self._initiate_server_close
+        )
 
     async def run(self) -> None:
         if not self._guard.try_admit():
@@ -377,8 +496,12 @@ class HardenedTCPServer(TCPServer):
                 protocol.app = _ConnectionApp(wrapper.app, protocol)
                 wrapper.protocol = protocol
                 await self.protocol.initiate()
-                await self.idle_task.restart(self._task_group, self._idle_timeout)
-                await self._read_data_with_takeover(client)
+                task_group.spawn(self._idle.run)
+                self._idle.restart()
+                try:
+                    await self._read_data_with_takeover(client)
+                finally:
+                    self._idle.close()
         except OSError:
             pass
         finally:
@@ -387,6 +510,11 @@ class HardenedTCPServer(TCPServer):
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):
+            data: bytes | memoryview = event.data
+            written = self._write_now(data)
+            if written == len(data):
+                return
+            data = memoryview(data)[written:]
             async with self.send_lock:
                 stalled = False
                 try:
@@ -394,7 +522,7 @@ class HardenedTCPServer(TCPServer):
                         scope.deadline = (
                             trio.current_time() + self._guard.limits.write_stall_timeout_s
                         )
-                        await self.stream.send_all(event.data)
+                        await self.stream.send_all(data)
                     stalled = scope.cancelled_caught
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     stalled = False
@@ -416,11 +544,28 @@ class HardenedTCPServer(TCPServer):
                 await self._close()
                 await self.protocol.handle(Closed())
         elif isinstance(event, Updated):
-            with trio.CancelScope(shield=True):
-                if event.idle:
-                    await self.idle_task.restart(self._task_group, self._idle_timeout)
-                else:
-                    await self.idle_task.stop()
+            if event.idle:
+                self._idle.restart()
+            else:
+                self._idle.stop()
+
+    def _write_now(self, data: bytes | memoryview) -> int:
+        """Write what the kernel takes at once, without waiting and without a trip through
+        the scheduler; returns how many bytes went (the rest take the path above).
+
+        Most writes fit the socket's buffer and so never wait: they need neither the lock
+        nor the stall deadline, which guard a write that waits. Nothing is written while
+        another send holds the lock (bytes must not interleave), and any error is left to
+        that path to meet and handle. An empty write has nothing to send.
+        """
+        if not data:
+            return 0
+        if not _WRITE_NOW or self.send_lock.locked():
+            return 0
+        try:
+            return os.write(self.stream.socket.fileno(), data)
+        except (OSError, AttributeError):  # not a plain socket stream: the path above
+            return 0
 
     async def _handle_closed(self) -> None:
         with trio.CancelScope(shield=True):
@@ -434,7 +579,7 @@ class HardenedTCPServer(TCPServer):
 
     async def _take_over(self, takeover: TakeOver, client: tuple[str, int] | None) -> None:
         assert self._guard.takeover is not None
-        await self.idle_task.stop()
+        self._idle.close()
         try:
             await self._guard.takeover(
                 self.stream,  # type: ignore[arg-type]
@@ -462,7 +607,7 @@ class HardenedTCPServer(TCPServer):
         # Nothing more can arrive: stop the keep-alive timer now rather than hold the
         # connection (and its slot under the cap) until it fires.
         await self.protocol.handle(Closed())
-        await self.idle_task.stop()
+        self._idle.close()
 
 
 def hypercorn_config(

@@ -9,6 +9,7 @@ never disagree with the readings they come from.
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 
 import attrs
 import trio
@@ -17,6 +18,7 @@ from vacancyd.config import Config, OwnerConfig, ResourceConfig
 from vacancyd.model import (
     MIB,
     GateInput,
+    LendingHoursView,
     ModelNeed,
     Observation,
     OwnerScope,
@@ -30,6 +32,8 @@ from vacancyd.model import (
     SessionState,
 )
 from vacancyd.persist import StateFileProblems
+from vacancyd.reachability import Reachability
+from vacancyd.schedule import HoursVerdict
 
 MIN_FRESHNESS_S = 15.0
 MAX_EDGES_KEPT = 256
@@ -84,8 +88,10 @@ class HostVeto:
 class Edge:
     """A rising edge that asks for borrowed work to be reclaimed.
 
-    `kind` is "owner" (the veto engaged: host-scoped upstreams) or "pressure" (a resource's
-    pressure guard engaged or its reading stayed unknown too long: upstreams using it).
+    `kind` is "owner" (the veto engaged: host-scoped upstreams), "hours" (the owner's
+    lending hours ended: host-scoped upstreams, reclaimed as on the owner's return) or
+    "pressure" (a resource's pressure guard engaged or its reading stayed unknown too
+    long: upstreams using it).
     """
 
     seq: int
@@ -93,6 +99,34 @@ class Edge:
     at: float
     reason: str
     resource: str | None = None
+
+
+# Edges that reclaim host-scoped work under the upstream's on_owner_return policy.
+HOST_EDGE_KINDS = frozenset({"owner", "hours"})
+
+
+@attrs.frozen
+class HoursJudgement:
+    """The lending hours as last judged against the wall clock (vacancyd/controls.py).
+
+    The verdict is kept with the trio time and wall time it was judged at, so how far its
+    next change is can be told at any later trio time without reading a clock again.
+    """
+
+    verdict: HoursVerdict
+    at: float
+    wall: datetime
+    # The zone's name as /status shows it ("Europe/Berlin").
+    zone: str = ""
+
+    @property
+    def changes_at(self) -> float | None:
+        """The trio time of the next change, or None when it never changes."""
+        change = self.verdict.next_change
+        if change is None:
+            return None
+        # In UTC: aware datetimes of one zone would subtract as wall times.
+        return self.at + (change.astimezone(UTC) - self.wall.astimezone(UTC)).total_seconds()
 
 
 def owner_match(reading: PresenceReading, policy: OwnerConfig) -> str | None:
@@ -119,6 +153,12 @@ class SharedState:
         self.freshness_s = freshness_bound_s(self.poll_interval_s)
         self.resources: dict[str, ResourceConfig] = {r.name: r for r in config.resource}
         self.lending_enabled = True
+        # A snooze: the trio time lending resumes by itself, and the same moment as wall
+        # time (UTC) for /status and the switches file. None: paused with no deadline.
+        self.paused_until: float | None = None
+        self.paused_until_wall: datetime | None = None
+        # None until the owner's controls first judge the hours: closed, if there are any.
+        self.lending_hours: HoursJudgement | None = None
         self.resource_switch: dict[str, bool] = {r.name: r.enabled for r in config.resource}
         self.veto = HostVeto(release_after_s=config.owner.release_after_s)
         self.presence: PresenceReading | None = None
@@ -128,6 +168,8 @@ class SharedState:
         # Bound addresses per listener ("api" and each upstream), filled in by the service.
         self.listeners: dict[str, list[str]] = {}
         self.all_listeners_bound = False
+        # Whether each upstream answers at all, reported by the proxy and the tunnel.
+        self.reachability = Reachability()
         # One line per collector for /status, e.g. "nvml": "NVML not loadable: ...".
         self.collector_notes: dict[str, str] = {}
         # State files that were there but could not be trusted (vacancyd/persist.py).
@@ -192,9 +234,25 @@ class SharedState:
     def edges_after(self, seq: int) -> list[Edge]:
         return [edge for edge in self.edges if edge.seq > seq]
 
-    def set_lending(self, enabled: bool) -> None:
+    def set_lending(
+        self, enabled: bool, until: float | None = None, until_wall: datetime | None = None
+    ) -> None:
+        """Switch lending; a pause with `until` (trio time) is a snooze that ends then.
+
+        Only the owner's controls (vacancyd/controls.py) end a snooze and save switches;
+        calling this directly changes the running daemon alone.
+        """
         self.lending_enabled = enabled
+        self.paused_until = None if enabled else until
+        self.paused_until_wall = None if enabled or until is None else until_wall
         self._notify()
+
+    def set_lending_hours(self, judgement: HoursJudgement) -> bool:
+        """Record a new judgement of the lending hours; True when a window just closed."""
+        was = self.lending_hours
+        self.lending_hours = judgement
+        self._notify()
+        return was is not None and was.verdict.inside and not judgement.verdict.inside
 
     def set_resource_switch(self, resource: str, enabled: bool) -> None:
         if resource not in self.resource_switch:
@@ -243,6 +301,23 @@ class SharedState:
             return Quality.UNKNOWN
         now = trio.current_time() if now is None else now
         return Quality.READY if now - observation.taken_at <= self.freshness_s else Quality.STALE
+
+    def lending_hours_view(self, now: float | None = None) -> LendingHoursView:
+        """The lending hours as the gate sees them: open, or closed until when."""
+        judged = self.lending_hours
+        if judged is None:
+            if not self.config.owner.lending_hours:
+                return LendingHoursView()
+            return LendingHoursView(False, None, "lending hours are not judged yet")
+        verdict = judged.verdict
+        if verdict.inside:
+            return LendingHoursView()
+        now = trio.current_time() if now is None else now
+        changes_at = judged.changes_at
+        if changes_at is None or verdict.next_change is None:
+            return LendingHoursView(False, None, "no lending window opens again")
+        opens = verdict.next_change.strftime("%a %H:%M %Z").strip()
+        return LendingHoursView(False, max(0.0, changes_at - now), f"the next window opens {opens}")
 
     def presence_view(self, now: float | None = None) -> PresenceView:
         now = trio.current_time() if now is None else now
@@ -319,6 +394,7 @@ class SharedState:
             presence=self.presence_view(now),
             resources=tuple(self.resource_view(name, now) for name in resources),
             need=need,
+            lending_hours=self.lending_hours_view(now),
         )
 
 

@@ -76,6 +76,9 @@ def _short(text: str) -> str:
 def _refusal(document: Mapping[str, Any], upstream: Mapping[str, Any]) -> str | None:
     """Why a plain request to this upstream would be refused now, from /status alone."""
     presence = document["presence"]
+    hours = document.get("lending_hours") or {}
+    if upstream.get("owner_scope") == "host" and hours.get("refuses"):
+        return f"{hours['refuses']} ({_short(hours.get('refusal_detail') or '')})"
     if upstream.get("owner_scope") == "host" and presence.get("refuses"):
         return f"{presence['refuses']} ({_short(presence.get('refusal_detail') or '')})"
     for name in (upstream["resource"], *upstream.get("also_requires", [])):
@@ -93,7 +96,8 @@ def lending_summary(document: Mapping[str, Any]) -> str:
     in `systemctl status` cannot disagree with `vacancyd status`.
     """
     if not document["lending"]["enabled"]:
-        return "not lending: paused by the owner"
+        until = document["lending"].get("paused_until")
+        return "not lending: paused by the owner" + (f" until {until}" if until else "")
     lending: list[str] = []
     refusing: dict[str, list[str]] = {}
     for name, upstream in document["upstreams"].items():

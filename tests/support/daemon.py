@@ -116,12 +116,17 @@ def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 @asynccontextmanager
 async def daemon_process(
-    config_path: Path, *, wait_ready: bool = True, env: Mapping[str, str] | None = None
+    config_path: Path,
+    *,
+    wait_ready: bool = True,
+    env: Mapping[str, str] | None = None,
+    read_token: str | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Start `python -m vacancyd run --config FILE`; stop it with SIGTERM afterwards.
 
     `env` adds to (or overrides) the test's own environment, e.g. the bus address or the
-    stand-in NVML library's directory.
+    stand-in NVML library's directory. `read_token` is presented to read /status where
+    loopback is not trusted.
     """
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "vacancyd", "run", "--config", str(config_path)],
@@ -139,7 +144,8 @@ async def daemon_process(
                 match = READY_LINE.search(line + " ")
                 assert match, line
                 daemon.api = match.group(1)
-                async with httpx.AsyncClient(trust_env=False) as client:
+                headers = {"Authorization": f"Bearer {read_token}"} if read_token else {}
+                async with httpx.AsyncClient(trust_env=False, headers=headers) as client:
                     status = (await client.get(f"{daemon.api}/status")).json()
                 daemon.proxies = {n: u["bound"][0] for n, u in status["upstreams"].items()}
             yield daemon

@@ -208,10 +208,12 @@ async def _watch_disconnect(receive: Any, gone: trio.Event) -> None:
 
 
 @asynccontextmanager
-async def serve_echo() -> AsyncIterator[EchoUpstream]:
+async def serve_echo(port: int = 0) -> AsyncIterator[EchoUpstream]:
+    """An echo upstream on `port` (any free one by default; a given one to bring an
+    upstream back where it was)."""
     upstream = EchoUpstream()
     config = Config()
-    config.bind = ["127.0.0.1:0"]
+    config.bind = [f"127.0.0.1:{port}"]
     config.accesslog = None
     config.errorlog = None
     stop = trio.Event()

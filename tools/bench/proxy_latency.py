@@ -38,6 +38,7 @@ import os
 import platform
 import queue
 import re
+import select
 import socket
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -67,7 +68,7 @@ CHAT_BODY = json.dumps(
 
 
 async def _serve_one(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int, gap_s: float
 ) -> None:
     try:
         while True:
@@ -89,6 +90,8 @@ async def _serve_one(
                     event = b'data: {"token": %d}\n\n' % index
                     writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                     await writer.drain()
+                    if gap_s:
+                        await asyncio.sleep(gap_s)
                 writer.write(b"0\r\n\r\n")
             else:
                 answer = JSON_ANSWER if method == "POST" else b'{"data": [{"id": "bench"}]}'
@@ -103,9 +106,9 @@ async def _serve_one(
         writer.close()
 
 
-async def _serve_upstream(events: int) -> None:
+async def _serve_upstream(events: int, gap_s: float) -> None:
     server = await asyncio.start_server(
-        lambda r, w: _serve_one(r, w, events), "127.0.0.1", 0, backlog=128
+        lambda r, w: _serve_one(r, w, events, gap_s), "127.0.0.1", 0, backlog=128
     )
     port = server.sockets[0].getsockname()[1]
     print(port, flush=True)
@@ -136,7 +139,12 @@ class Connection:
         return self.sock
 
     def exchange(self, method: str, target: str, body: bytes = b"") -> tuple[float, float]:
-        """Send one request; return (seconds to the first body byte, seconds to the end)."""
+        """Send one request; return (seconds to the first body byte, seconds to the end).
+
+        A kept-alive connection the server closed while it sat idle (its keep-alive
+        timeout passed while the other path was measured) is opened again once."""
+        if self.sock is not None and _closed_by_peer(self.sock):
+            self.close()
         sock = self._connect()
         headers = [(b"host", self.host), (b"content-type", b"application/json")]
         if body:
@@ -180,6 +188,12 @@ class Connection:
             self.sock = None
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection has been closed by the other end (it reads as EOF)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
 SCENARIOS = {
     "json": ("POST", "/v1/chat/completions", CHAT_BODY),
     "models": ("GET", "/v1/models", b""),
@@ -193,25 +207,33 @@ def measure(
     warmup: int,
     rounds: int,
     deadline: float,
+    scenarios: list[str] | None = None,
+    daemon_cpu: Callable[[], float] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds to the first body byte and to the end, keyed "scenario/path/ttfb|total"."""
+    """Seconds to the first body byte and to the end, keyed "scenario/path/ttfb|total",
+    and vacancyd's CPU seconds over each round of proxied requests ("scenario/cpu")."""
     results: dict[str, list[float]] = {}
     per_round = max(1, requests // rounds)
-    for scenario, (method, target, body) in SCENARIOS.items():
+    for scenario in scenarios or list(SCENARIOS):
+        method, target, body = SCENARIOS[scenario]
         for path, connection in connections.items():
             for _ in range(warmup):
                 connection.exchange(method, target, body)
             results[f"{scenario}/{path}/ttfb"] = []
             results[f"{scenario}/{path}/total"] = []
+        results[f"{scenario}/cpu"] = []
         for round_index in range(rounds):
             order = list(connections) if round_index % 2 == 0 else list(connections)[::-1]
             for path in order:
+                cpu_before = daemon_cpu() if daemon_cpu and path == "proxy" else 0.0
                 for _ in range(per_round):
                     if time.monotonic() > deadline:
                         raise TimeoutError("the run passed --max-seconds")
                     ttfb, total = connections[path].exchange(method, target, body)
                     results[f"{scenario}/{path}/ttfb"].append(ttfb)
                     results[f"{scenario}/{path}/total"].append(total)
+                if daemon_cpu and path == "proxy":
+                    results[f"{scenario}/cpu"].append(daemon_cpu() - cpu_before)
     return results
 
 
@@ -220,9 +242,19 @@ def measure(
 
 
 @contextmanager
-def upstream_process(events: int) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def upstream_process(
+    events: int, gap_ms: float = 0.0
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
     process = subprocess.Popen(
-        [sys.executable, __file__, "--serve-upstream", "--events", str(events)],
+        [
+            sys.executable,
+            __file__,
+            "--serve-upstream",
+            "--events",
+            str(events),
+            "--event-gap-ms",
+            str(gap_ms),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -314,6 +346,22 @@ def pin(pid: int, cpu: int) -> None:
     os.sched_setaffinity(pid, {cpu})
 
 
+def cpu_seconds(pid: int) -> Callable[[], float] | None:
+    """The daemon's CPU seconds so far (user + system), if psutil is there to read them."""
+    try:
+        import psutil
+
+        process = psutil.Process(pid)
+    except Exception:
+        return None
+
+    def read() -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system)
+
+    return read
+
+
 def rss_mib(pid: int) -> float | None:
     try:
         import psutil
@@ -357,6 +405,8 @@ def report(samples: dict[str, list[float]]) -> list[dict[str, object]]:
         ("stream", "ttfb", "stream: time to first byte"),
         ("stream", "total", "stream: complete"),
     ):
+        if f"{scenario}/direct/{measure_name}" not in samples:
+            continue  # a scenario left out with --scenarios
         direct = samples[f"{scenario}/direct/{measure_name}"]
         proxy = samples[f"{scenario}/proxy/{measure_name}"]
         row: dict[str, object] = {"what": label, "n": len(proxy)}
@@ -396,13 +446,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=30, help="unmeasured, per path (30)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
     parser.add_argument("--events", type=int, default=20, help="SSE events per stream (20)")
+    parser.add_argument(
+        "--event-gap-ms",
+        type=float,
+        default=0.0,
+        help="the upstream's pause after each SSE event (0: back to back, so events that "
+        "arrive together may be relayed together); e.g. 2 to relay each one on its own",
+    )
     parser.add_argument("--max-seconds", type=float, default=300, help="deadline (300)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (all), e.g. to profile one path",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    if not scenarios or any(name not in SCENARIOS for name in scenarios):
+        parser.error(f"--scenarios takes a comma-separated subset of {','.join(SCENARIOS)}")
     if args.serve_upstream:
-        asyncio.run(_serve_upstream(args.events))
+        asyncio.run(_serve_upstream(args.events, args.event_gap_ms / 1000))
         return 0
 
     started = time.monotonic()
@@ -410,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     pinned = not args.no_pin and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
     with (
-        upstream_process(args.events) as (upstream, target),
+        upstream_process(args.events, args.event_gap_ms) as (upstream, target),
         vacancyd_process(target) as (
             daemon,
             proxy_url,
@@ -422,7 +487,15 @@ def main(argv: list[str] | None = None) -> int:
             pin(0, 0)
         connections = {"direct": Connection(target), "proxy": Connection(proxy_url)}
         try:
-            samples = measure(connections, args.requests, args.warmup, args.rounds, deadline)
+            samples = measure(
+                connections,
+                args.requests,
+                args.warmup,
+                args.rounds,
+                deadline,
+                scenarios,
+                cpu_seconds(daemon.pid),
+            )
         finally:
             for connection in connections.values():
                 connection.close()
@@ -442,10 +515,21 @@ def main(argv: list[str] | None = None) -> int:
         f"vacancyd subprocess {'on CPU 1' if pinned else 'unpinned'}; "
         f"{args.requests} requests per path and scenario after {args.warmup} warm-up, "
         f"{args.rounds} alternating rounds, {args.events} SSE events per stream"
+        + (f", {args.event_gap_ms:g} ms apart" if args.event_gap_ms else "")
     )
     print()
     print_table(rows)
     print()
+    cpu_per_request = {
+        scenario: 1e6 * sum(samples[f"{scenario}/cpu"]) / len(samples[f"{scenario}/proxy/total"])
+        for scenario in scenarios
+        if samples.get(f"{scenario}/cpu")
+    }
+    if cpu_per_request:
+        print(
+            "vacancyd CPU per proxied request (user + system): "
+            + ", ".join(f"{name} {us:.0f} us" for name, us in cpu_per_request.items())
+        )
     if daemon_rss is not None:
         print(f"vacancyd RSS at the end of the run: {daemon_rss:.1f} MiB")
     print(f"total time of this command: {elapsed:.1f} s")
@@ -457,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_before": load_before,
                     "pinned": pinned,
                     "rows": rows,
+                    "cpu_us_per_proxied_request": cpu_per_request,
                     "elapsed_s": elapsed,
                 },
                 indent=2,

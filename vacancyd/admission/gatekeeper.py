@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
+from vacancyd.accounting import ANONYMOUS
 from vacancyd.admission.ledger import Ledger, RelayHandle, Reservation, Share
 from vacancyd.config import ResourceConfig, UpstreamConfig
 from vacancyd.decisions import DecisionLog
@@ -104,30 +105,35 @@ class Admission:
         job_ids: tuple[str, ...] = (),
         prove: Prove | None = None,
         hint: FootprintHint | None = None,
+        *,
+        borrower: str = ANONYMOUS,
     ) -> Reservation | Refuse:
+        """Admit one request of `borrower` (its token's name, see accounting.py): a
+        reservation, or the refusal, each recorded for the upstream and the borrower."""
         resources = (upstream.resource, *upstream.also_requires)
-        tried = self._try(upstream, resources, model, job_ids, hint, credit=None)
+        tried = self._try(upstream, resources, model, job_ids, hint, None, borrower)
         if prove is None or not _credit_could_help(tried):
             if isinstance(tried[1], Refuse) and tried[1].reason is Reason.RESOURCE_BUSY:
                 # A just-released resource: give it a moment to be re-measured.
                 await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
-                tried = self._try(upstream, resources, model, job_ids, hint, credit=None)
-            return self._record(upstream, tried)
+                tried = self._try(upstream, resources, model, job_ids, hint, None, borrower)
+            return self._record(upstream, tried, borrower)
         credit, residency = await self._judge(upstream, resources, prove)
         if not credit.applies:
             await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
-        tried = self._try(upstream, resources, model, job_ids, hint, credit=credit)
+        tried = self._try(upstream, resources, model, job_ids, hint, credit, borrower)
         outcome = tried[1]
         credited = isinstance(outcome, Reservation) and outcome.shared
         self._decisions.record_residency(upstream.name, residency, credited)
         if isinstance(outcome, Reservation) and credited:
-            log.info(
+            # Per request on a busy server: /status and the metrics count these.
+            log.debug(
                 "admitted job %d on %s with residency credit: %s",
                 outcome.job_id,
                 upstream.name,
                 credit.detail,
             )
-        return self._record(upstream, tried)
+        return self._record(upstream, tried, borrower)
 
     def _try(
         self,
@@ -137,6 +143,7 @@ class Admission:
         job_ids: tuple[str, ...],
         hint: FootprintHint | None,
         credit: _Credit | None,
+        borrower: str,
     ) -> tuple[GateInput, Reservation | Refuse]:
         """Gate and ledger for one footprint, with no checkpoint in between."""
         need = need_for(upstream, self._state.resources, model, hint)
@@ -159,7 +166,13 @@ class Admission:
         share = Share(model, credit.slots) if credit is not None and sharing else None
         charges = {name: charged_mib(need, name) for name in need.need_mib}
         outcome = self._ledger.try_reserve(
-            upstream.name, resources, model, job_ids, share=share, charged_mib=charges
+            upstream.name,
+            resources,
+            model,
+            job_ids,
+            share=share,
+            charged_mib=charges,
+            borrower=borrower,
         )
         if isinstance(outcome, Reservation) and share is None:
             outcome.free_before_mib = self._gpu_free_mib(resources)
@@ -278,19 +291,26 @@ class Admission:
         )
 
     def _record(
-        self, upstream: UpstreamConfig, tried: tuple[GateInput, Reservation | Refuse]
+        self,
+        upstream: UpstreamConfig,
+        tried: tuple[GateInput, Reservation | Refuse],
+        borrower: str,
     ) -> Reservation | Refuse:
         question, outcome = tried
         if isinstance(outcome, Refuse):
             self._decisions.record(upstream.name, question, outcome)
         else:
             self._decisions.record(upstream.name, question, decide(question))
+        refused = outcome.reason.value if isinstance(outcome, Refuse) else None
+        self._ledger.accounting.decided(borrower, upstream.name, refused, self._now())
         return outcome
 
     def _now(self) -> float:
         return trio.current_time()
 
-    def refusal_before_body(self, upstream: UpstreamConfig) -> Refuse | None:
+    def refusal_before_body(
+        self, upstream: UpstreamConfig, *, borrower: str = ANONYMOUS
+    ) -> Refuse | None:
         """The refusal any request to this upstream would get now, whatever its body says.
 
         Asked before a work request's body is read, so a borrower is not made to upload a
@@ -318,6 +338,9 @@ class Admission:
                 need_for(upstream, self._state.resources, None),
             )
             self._decisions.record(upstream.name, question, refusal)
+            self._ledger.accounting.decided(
+                borrower, upstream.name, refusal.reason.value, self._now()
+            )
         return refusal
 
     def note_yield(self, upstream: UpstreamConfig) -> None:
@@ -326,6 +349,10 @@ class Admission:
 
     def release(self, reservation: Reservation) -> None:
         self._ledger.release(reservation)
+
+    def answered(self, reservation: Reservation) -> None:
+        """The upstream has sent the job's whole answer (see `Ledger.answered`)."""
+        self._ledger.answered(reservation)
 
     def attach(self, reservation: Reservation, handle: RelayHandle) -> None:
         self._ledger.attach(reservation, handle)

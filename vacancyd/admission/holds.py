@@ -158,6 +158,8 @@ def _hold_problem(entry: Any) -> str:
         return "job_ids is not a list of strings"
     if not isinstance(entry.get("model"), str | None):
         return "model is not a string"
+    if not isinstance(entry.get("borrower", ""), str):
+        return "borrower is not a string"
     return ""
 
 

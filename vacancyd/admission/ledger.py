@@ -36,6 +36,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from vacancyd.accounting import ANONYMOUS, UNKNOWN, BorrowerAccounting
 from vacancyd.admission.holds import (
     RESTORED_NOTE,
     HoldsFile,
@@ -43,7 +44,7 @@ from vacancyd.admission.holds import (
     without_restored_notes,
 )
 from vacancyd.admission.phases import HOLDING, Event, Phase, next_phase
-from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, Reason, Refuse
+from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, Quality, Reason, Refuse
 from vacancyd.persist import StateFileProblem
 from vacancyd.state import SharedState
 
@@ -76,6 +77,8 @@ class Reservation:
     resources: tuple[str, ...]
     model: str | None
     started_at: float
+    # Who asked: the name of the borrower's token, or "local" / "anonymous" (accounting.py).
+    borrower: str = ANONYMOUS
     phase: Phase = Phase.FORWARDING
     # The upstream's own ids for this job (e.g. a ComfyUI prompt id vacancyd assigned).
     job_ids: tuple[str, ...] = ()
@@ -91,6 +94,8 @@ class Reservation:
     # footprint is measured against it once the job is over).
     free_before_mib: dict[str, int] = attrs.Factory(dict)
     released_at: float | None = None
+    # When the upstream had sent its whole answer (see `Ledger.answered`).
+    answered_at: float | None = None
 
     @property
     def hold_detail(self) -> str:
@@ -124,6 +129,8 @@ class Ledger:
         self._released_total = 0
         self._shared_total = 0
         self._busy_refusals: Counter[str] = Counter()
+        # Who held what and for how long, fed by the reservations made and freed here.
+        self.accounting = BorrowerAccounting(t.name for t in state.config.auth.tokens)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -135,6 +142,8 @@ class Ledger:
         job_ids: tuple[str, ...] = (),
         share: Share | None = None,
         charged_mib: dict[str, int] | None = None,
+        *,
+        borrower: str = ANONYMOUS,
     ) -> Reservation | Refuse:
         """Reserve every resource of a request, or refuse naming the first one in use."""
         refusal = self.busy_refusal(upstream, resources, share, model)
@@ -157,12 +166,14 @@ class Ledger:
             resources=resources,
             model=model,
             started_at=trio.current_time(),
+            borrower=borrower,
             job_ids=job_ids,
             shared=share is not None,
             charged_mib=dict(charged_mib or {}),
         )
         for name in resources:
             self._jobs.setdefault(name, []).append(reservation)
+        self.accounting.reserved(reservation.job_id, borrower, resources, reservation.started_at)
         self._reserved_total += 1
         self._shared_total += share is not None
         return reservation
@@ -242,6 +253,21 @@ class Ledger:
         self._relays.pop(reservation.job_id, None)
         self._apply(reservation, Event.END)
 
+    def answered(self, reservation: Reservation) -> None:
+        """The upstream has sent the job's whole answer, so whatever the job loaded is in
+        memory now: a capacity sample asked from here on already describes the machine
+        after the job. It is asked for at once and counts as the post-release sample, so
+        it is taken while the answer is still being written to the borrower, and the
+        borrower's next request does not wait for one asked only at the release.
+
+        Not for a job the upstream runs on after answering (it has job ids to track).
+        """
+        if reservation.job_ids or reservation.phase is not Phase.FORWARDING:
+            return
+        if reservation.answered_at is None:
+            reservation.answered_at = trio.current_time()
+            self._state.request_sample()
+
     def track(self, reservation: Reservation) -> None:
         """The HTTP exchange ended but the upstream still runs the job: keep holding."""
         self._relays.pop(reservation.job_id, None)
@@ -288,16 +314,20 @@ class Ledger:
     def _free(self, reservation: Reservation) -> None:
         now = trio.current_time()
         reservation.released_at = now
+        # A sample asked after the upstream's whole answer (already asked for) will do.
+        ended = now if reservation.answered_at is None else reservation.answered_at
         for name in reservation.resources:
             jobs = self._jobs.get(name, [])
             if reservation in jobs:
                 jobs.remove(reservation)
                 if not jobs:
                     del self._jobs[name]
-            self._released_at[name] = now
+            self._released_at[name] = max(self._released_at.get(name, ended), ended)
             self._changed_at[name] = now
+        self.accounting.freed(reservation.job_id, now)
         self._released_total += 1
-        self._state.request_sample()
+        if reservation.answered_at is None:
+            self._state.request_sample()
 
     def note_yield(self, resources: tuple[str, ...]) -> None:
         """An upstream was asked to give memory back: residency seen before is void."""
@@ -348,6 +378,7 @@ class Ledger:
                 resources=tuple(entry["resources"]),
                 model=entry.get("model"),
                 started_at=trio.current_time(),
+                borrower=entry.get("borrower", UNKNOWN),
                 phase=Phase.HELD,
                 job_ids=tuple(entry.get("job_ids", [])),
                 hold_reason=without_restored_notes(entry["reason"]),
@@ -356,6 +387,12 @@ class Ledger:
             )
             for name in reservation.resources:
                 self._jobs.setdefault(name, []).append(reservation)
+            self.accounting.reserved(
+                reservation.job_id,
+                reservation.borrower,
+                reservation.resources,
+                reservation.started_at,
+            )
         if entries:
             self._save_holds()
         return len(entries)
@@ -366,6 +403,7 @@ class Ledger:
                 {
                     "job_id": r.job_id,
                     "upstream": r.upstream,
+                    "borrower": r.borrower,
                     "resources": list(r.resources),
                     "model": r.model,
                     "job_ids": list(r.job_ids),
@@ -416,11 +454,17 @@ class Ledger:
         Back-to-back requests from one borrower are the common case; refusing the second
         one because the collector has not ticked yet would be correct but needlessly rude.
         Returns after `timeout_s` at the latest; the caller then decides as usual.
+
+        The release already asked the collectors for that sample, and a collector busy
+        when it was asked samples again once done, so waiting asks for nothing more: asking
+        on every change made each back-to-back request cost a second, unneeded probe.
+        Only a sample that failed (the resource is then unavailable) is asked for again.
         """
         with trio.move_on_after(timeout_s):
             while any(self.awaits_sample(name) for name in resources):
-                self._state.request_sample()
                 await self._state.wait_changed()
+                if any(self._state.capacity_quality(n) is Quality.UNKNOWN for n in resources):
+                    self._state.request_sample()
 
     def uncounted_mib(self, resource: str, reading_taken_at: float) -> int:
         """MiB charged to jobs admitted after the reading: not yet in its free memory."""

@@ -10,16 +10,19 @@ import json
 from importlib import resources
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from vacancyd.admission import Admission, Ledger
 from vacancyd.api.metrics import CONTENT_TYPE, VacancydCollector, open_registry, render
 from vacancyd.api.operator import OperatorTools, add_operator_routes
+from vacancyd.api.owner import lending_request, lending_status
 from vacancyd.api.status import is_ready, status_document
 from vacancyd.api.vacancy import add_vacancy_route
 from vacancyd.auth import Authenticator
 from vacancyd.config import Scope
+from vacancyd.controls import OwnerControls
 from vacancyd.decisions import DecisionLog
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.reclaim import UpstreamReclaim
@@ -27,6 +30,19 @@ from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
 MAX_ADMIN_BODY = 64 * 1024
+
+# The owner console's files (vacancyd/api/console/) and their types; nothing else is served.
+CONSOLE_FILES = {
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+# The console runs only its own script and talks only to this daemon: a page that injected
+# text into /status could not run code, and no other site may frame the pause button.
+CONSOLE_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -45,6 +61,26 @@ def _error(status: int, code: str, message: str) -> Response:
     return response
 
 
+def _console_file(name: str) -> Response:
+    body = resources.files("vacancyd.api").joinpath("console", name).read_bytes()
+    response = Response(body, content_type=CONSOLE_FILES[name])
+    response.headers["Content-Security-Policy"] = CONSOLE_POLICY
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["Cache-Control"] = "no-cache"
+    return response
+
+
+def _not_saved(why: str) -> Response:
+    """The switch is in effect, but a restart would not keep it: the owner must know."""
+    return _error(
+        500,
+        "not_saved",
+        f"the switch is in effect now, but it could not be saved ({why}): "
+        "a restart would restore the last saved switches",
+    )
+
+
 def create_api_app(
     state: SharedState,
     ledger: Ledger,
@@ -56,8 +92,11 @@ def create_api_app(
     operator: OperatorTools | None = None,
     admission: Admission | None = None,
     footprints: FootprintBook | None = None,
+    controls: OwnerControls | None = None,
 ) -> QuartTrio:
     app = QuartTrio("vacancyd.api")
+    # The owner's switches are saved and restored through this (no file without one).
+    controls = controls or OwnerControls.for_config(state, None)
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
     app.config["RESPONSE_TIMEOUT"] = None
     registry = open_registry(VacancydCollector(state, ledger, decisions, auth, reclaims))
@@ -115,12 +154,19 @@ def create_api_app(
         refusal = denied(Scope.ADMIN)
         if refusal is not None:
             return refusal
-        enabled = await switch_body()
-        if isinstance(enabled, Response):
-            return enabled
-        state.set_lending(enabled)
-        app.logger.info("lending %s through the admin API", "resumed" if enabled else "paused")
-        return _json({"lending": {"enabled": state.lending_enabled}})
+        # Only application/json: a cross-site form or text/plain POST cannot flip a switch.
+        asked = lending_request(await request.get_json(silent=True))
+        if isinstance(asked, str):
+            return _error(400, "invalid_body", asked)
+        enabled, for_s = asked
+        not_saved = controls.set_lending(enabled, for_s)
+        snooze = f" for {for_s:g}s" if for_s is not None else ""
+        app.logger.info(
+            "lending %s through the admin API", "resumed" if enabled else f"paused{snooze}"
+        )
+        if not_saved is not None:
+            return _not_saved(not_saved)
+        return _json({"lending": lending_status(state, trio.current_time())})
 
     @app.post("/admin/resources/<name>")
     async def admin_resource(name: str) -> Response:
@@ -132,7 +178,9 @@ def create_api_app(
         enabled = await switch_body()
         if isinstance(enabled, Response):
             return enabled
-        state.set_resource_switch(name, enabled)
+        not_saved = controls.set_resource(name, enabled)
+        if not_saved is not None:
+            return _not_saved(not_saved)
         return _json({"resource": name, "enabled": enabled})
 
     @app.post("/admin/holds/<int:job_id>/release")
@@ -183,7 +231,12 @@ def create_api_app(
 
     @app.get("/")
     async def console() -> Response:
-        page = resources.files("vacancyd.api").joinpath("console/index.html").read_bytes()
-        return Response(page, content_type="text/html; charset=utf-8")
+        return _console_file("index.html")
+
+    @app.get("/console/<name>")
+    async def console_asset(name: str) -> Response:
+        if name not in CONSOLE_FILES or name == "index.html":
+            return _error(404, "not_found", f"no console file {name!r}")
+        return _console_file(name)
 
     return app

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from vacancyd.admission import Ledger, Phase
 from vacancyd.api.status import is_ready
+from vacancyd.api.usage import borrower_metrics, reachability_metrics
 from vacancyd.auth import Authenticator
 from vacancyd.decisions import DecisionLog
 from vacancyd.model import MIB, PressureQuality, Quality, Reason
@@ -52,6 +53,8 @@ class VacancydCollector(Collector):
         yield from self._upstreams()
         yield from self._reclaim_families()
         yield self._state_files()
+        yield from borrower_metrics(self._ledger.accounting, now)
+        yield from reachability_metrics(state.reachability, self._decisions.upstreams())
 
     def _state_files(self) -> Metric:
         """Untrusted state files by kind: an alert on `holds` means nothing is lent."""

@@ -14,6 +14,8 @@ import trio
 import vacancyd
 from vacancyd.admission import Ledger, Reservation
 from vacancyd.api.operator import OperatorTools, operator_status
+from vacancyd.api.owner import lending_hours_status, lending_status
+from vacancyd.api.usage import borrowers_status, reachability_status
 from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
 from vacancyd.footprint.book import FootprintBook
@@ -70,7 +72,8 @@ def status_document(
         "version": vacancyd.__version__,
         "ready": is_ready(state),
         "uptime_s": _round(now - state.started_at),
-        "lending": {"enabled": state.lending_enabled},
+        "lending": lending_status(state, now),
+        "lending_hours": lending_hours_status(state, now),
         "presence": _presence(state, now),
         "owner_veto": {
             "engaged": state.veto.engaged,
@@ -100,6 +103,7 @@ def status_document(
                     _reservation(r, now) for r in stats.entries if r.upstream == u.name
                 ],
                 "unseen_gpu_work": u.name in state.unseen_gpu_work,
+                "reachability": reachability_status(state.reachability, u.name, now),
                 "reclaim": _reclaim(reclaims.get(u.name), now),
                 **_decisions(decisions, u.name, now),
             }
@@ -111,6 +115,7 @@ def status_document(
             "awaiting_sample": list(stats.awaiting_sample),
             "busy_refusals": stats.busy_refusals,
         },
+        "borrowers": borrowers_status(ledger.accounting, now),
         "api": {
             "bound": state.listeners.get("api", []),
             "connections": _connections(guards.get("api")),
@@ -231,6 +236,7 @@ def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict
 def _reservation(reservation: Reservation, now: float) -> dict[str, Any]:
     return {
         "job_id": reservation.job_id,
+        "borrower": reservation.borrower,
         "phase": reservation.phase.value,
         "model": reservation.model,
         "resources": list(reservation.resources),
@@ -255,7 +261,15 @@ def _decisions(decisions: DecisionLog, upstream: str, now: float) -> dict[str, A
 def _residency(residency: Residency | None, credited: int, now: float) -> dict[str, Any]:
     """What the upstream last proved it holds (read only when a request needed credit)."""
     if residency is None:
-        return {"proved": None, "credited_admissions": credited}
+        return {
+            "proved": None,
+            "model": None,
+            "source": None,
+            "age_s": None,
+            "slots": None,
+            "detail": None,
+            "credited_admissions": credited,
+        }
     return {
         "proved": residency.resident,
         "model": residency.model,

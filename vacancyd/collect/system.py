@@ -33,17 +33,41 @@ class SystemReading:
 
 
 class SystemProbe:
-    """Blocking reads of /proc through psutil; called on a worker thread."""
+    """Blocking reads of /proc; called on a worker thread. CPU is read only when `cpu`
+    (a CPU resource is configured): memory alone is what most readings are for."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu: bool = True) -> None:
         self._primed = False
+        self._cpu = cpu
 
     def read(self) -> SystemReading:
-        memory = psutil.virtual_memory()
-        interval = None if self._primed else _FIRST_CPU_INTERVAL_S
-        cpu = psutil.cpu_percent(interval=interval)
-        self._primed = True
-        return SystemReading(int(memory.total), int(memory.available), float(cpu))
+        total, available = _memory()
+        cpu = 0.0
+        if self._cpu:
+            interval = None if self._primed else _FIRST_CPU_INTERVAL_S
+            cpu = float(psutil.cpu_percent(interval=interval))
+            self._primed = True
+        return SystemReading(total, available, cpu)
+
+
+def _memory() -> tuple[int, int]:
+    """Total and available bytes: MemTotal and MemAvailable read straight from
+    /proc/meminfo (the same figures psutil reports, for a fifth of its cost: this read
+    follows every borrowed job), else psutil's where that file does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            data = meminfo.read()
+        found: dict[bytes, int] = {}
+        for line in data.splitlines():
+            name, _, rest = line.partition(b":")
+            if name in (b"MemTotal", b"MemAvailable"):
+                found[name] = int(rest.split()[0]) * 1024
+                if len(found) == 2:
+                    return found[b"MemTotal"], found[b"MemAvailable"]
+    except (OSError, ValueError, IndexError):
+        pass
+    memory = psutil.virtual_memory()
+    return int(memory.total), int(memory.available)
 
 
 def observations_from(
@@ -83,7 +107,7 @@ async def run_system_collector(
     unavailable and the old reading ages out to stale on its own. `heartbeat` beats for
     every probe that answered, with a reading or an error, and not for one that overran.
     """
-    probe = probe or SystemProbe()
+    probe = probe or SystemProbe(cpu=any(r.kind is ResourceKind.CPU for r in resources))
     names = [r.name for r in resources if r.kind in (ResourceKind.MEMORY, ResourceKind.CPU)]
     started = False
     answered = state.sample_requests

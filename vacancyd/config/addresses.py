@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import urllib.parse
 
@@ -21,6 +22,7 @@ class HostPort:
         return is_loopback_host(self.host)
 
 
+@functools.lru_cache(maxsize=256)  # asked of every proxied request's peer address
 def is_loopback_host(host: str) -> bool:
     """True for 127.0.0.0/8, ::1 and the name localhost; wildcards are not loopback."""
     if host == "localhost":

@@ -21,11 +21,13 @@ import attrs
 import cattrs
 from cattrs.cols import is_mapping, is_sequence, list_structure_factory, mapping_structure_factory
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, override
 from cattrs.v import format_exception, transform_error
 
+from vacancyd.accounting import RESERVED_BORROWERS
 from vacancyd.config.addresses import HostPort, is_loopback_host, parse_listen, parse_target
-from vacancyd.config.schema import Config, ResourceConfig, Scope, UpstreamConfig
+from vacancyd.config.hours import lending_hours_problems
+from vacancyd.config.schema import Config, LendingWindow, ResourceConfig, Scope, UpstreamConfig
 from vacancyd.errors import ConfigError
 from vacancyd.model import ResourceKind
 
@@ -111,7 +113,7 @@ def _make_converter() -> cattrs.Converter:
         lambda t, c: _shape_checked(
             dict,
             "a table",
-            make_dict_structure_fn(t, c, _cattrs_forbid_extra_keys=True),
+            make_dict_structure_fn(t, c, _cattrs_forbid_extra_keys=True, **_renamed_keys(t)),
         ),
     )
     converter.register_structure_hook(int, _strict_int)
@@ -121,6 +123,23 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(int | str | None, _device)
     return converter
 
+
+def _renamed_keys(cls: type) -> dict[str, Any]:
+    """Fields whose TOML key is not their name (a Python keyword such as `from`)."""
+    return {
+        field.name: override(rename=field.metadata["key"])
+        for field in attrs.fields(cls)
+        if "key" in field.metadata
+    }
+
+
+# Python names of renamed fields, as cattrs puts them in a path, and the keys they stand for.
+_KEY_OF_FIELD = {
+    field.name: field.metadata["key"]
+    for cls in (LendingWindow,)
+    for field in attrs.fields(cls)
+    if "key" in field.metadata
+}
 
 _CONVERTER = _make_converter()
 
@@ -141,6 +160,8 @@ def _key_path(message: str) -> str:
     where = where.removeprefix("$").removeprefix(".") or "(top level)"
     # Keys of a name-keyed table read as they are written in TOML: models."llama3:8b".
     where = re.sub(r"\['((?:[^'\\]|\\.)*)'\]", r'."\1"', where)
+    for name, key in _KEY_OF_FIELD.items():
+        where = re.sub(rf"\.{name}(?=$|[.\[])", f".{key}", where)
     return f"{where}: {why}"
 
 
@@ -236,6 +257,8 @@ def _cross_field_problems(config: Config) -> Iterator[str]:
         resources_by_name[resource.name] = resource
         yield from _resource_problems(resource, where)
 
+    yield from lending_hours_problems(config.owner)
+
     listeners: dict[HostPort, str] = {}
     api = _listen_or_problem(config.server.api_listen, "server.api_listen", listeners)
     if isinstance(api, str):
@@ -262,6 +285,12 @@ def _cross_field_problems(config: Config) -> Iterator[str]:
 
     for index, token in enumerate(config.auth.tokens):
         yield from _token_problems(token.sha256, token.file, token.scopes, f"auth.tokens[{index}]")
+        if token.name in RESERVED_BORROWERS:
+            # Accounting would count this token's borrowers together with those callers.
+            yield (
+                f"auth.tokens[{index}].name: {token.name!r} is reserved for callers without a "
+                f"token of their own ({', '.join(sorted(RESERVED_BORROWERS))}); choose another"
+            )
 
 
 def _resource_problems(resource: ResourceConfig, where: str) -> Iterator[str]:

@@ -124,12 +124,30 @@ class AuthConfig:
 
 
 @attrs.frozen
+class LendingWindow:
+    """One weekly lending window in the owner's wall time (see vacancyd/schedule.py).
+
+    `from_` is the TOML key `from` (a Python keyword): metadata "key" names the key the
+    loader reads and reports. Times are strings "HH:MM"; `to` may be "24:00", and a `to`
+    at or before `from` ends the next day. `days` default to every day of the week.
+    """
+
+    from_: str = attrs.field(metadata={"key": "from"})
+    to: str
+    days: list[str] = attrs.Factory(lambda: ["mon", "tue", "wed", "thu", "fri", "sat", "sun"])
+
+
+@attrs.frozen
 class OwnerConfig:
     presence: PresenceBackend = PresenceBackend.AUTO
     release_after_s: float = attrs.field(default=60.0, metadata=_ge(0))
     lend_when_locked: bool = True
     lend_when_idle: bool = True
     owner_processes: list[str] = attrs.Factory(list)
+    # Weekly windows outside which host-scoped upstreams refuse; empty: lend at any hour.
+    lending_hours: list[LendingWindow] = attrs.Factory(list)
+    # The IANA zone lending_hours are read in ("Europe/Berlin"); empty: the machine's own.
+    timezone: str = ""
 
 
 @attrs.frozen

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,11 @@ from vacancyd.proxy.policy import (
     is_chunked,
     preflight,
 )
+from vacancyd.proxy.pool import UpstreamPool
 from vacancyd.proxy.replies import Replies
 from vacancyd.proxy.tracking import track_job
-from vacancyd.serving import StreamCut
+from vacancyd.reachability import Reachability
+from vacancyd.serving import HEAD_WITH_BODY, StreamCut
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class ProxyApp:
         credential: str | None = None,
         learned_dir: Path | None = None,
         footprints: FootprintBook | None = None,
+        reachability: Reachability | None = None,
     ) -> None:
         self.upstream = upstream
         self.adapter = adapter
@@ -77,6 +81,8 @@ class ProxyApp:
         self._auth = auth
         self._limits = limits
         self._client = client
+        # Borrowers' requests go through this lean pool; `client` makes vacancyd's own calls.
+        self._pool = UpstreamPool(self.target, limits.upstream_connect_timeout_s)
         self._credential = credential
         self._max_body = limits.max_request_body_mib * MIB
         self.budget = BodyBudget(limits.buffered_budget_mib * MIB)
@@ -85,6 +91,8 @@ class ProxyApp:
         # Where tracking tasks for jobs that outlive their request run (set by the service).
         self.background: trio.Nursery | None = None
         self.footprints = footprints
+        # Where each attempt to reach the upstream is reported, for /status.
+        self.reachability = reachability
         self.residency: ResidencyWatch | None = None
         if adapter.residency is not None:
             learned_in = learned_dir / f"residency-{upstream.name}.json" if learned_dir else None
@@ -100,6 +108,7 @@ class ProxyApp:
             await send({"type": "websocket.close", "code": 1008})
         elif kind == "lifespan":
             await _lifespan(receive, send)
+            self._pool.close()
 
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
@@ -122,10 +131,11 @@ class ProxyApp:
         origin = header_value(headers, b"origin")
         if origin is not None:
             send = cross_origin_send(send, origin, self.cors_origins)
-        replies = self._replies(send, head)
+        found = self.adapter.classify(method, head.raw_path, head.query)
+        replies = self._replies(send, found)
         verdict = self._auth.check_borrower(headers, scope.get("client"))
         decision = front_door(
-            head, self.adapter, self.upstream.management, verdict, self.cors_origins
+            head, self.adapter, self.upstream.management, verdict, self.cors_origins, found
         )
         if isinstance(decision, Refusal):
             extra: dict[str, Any] = {}
@@ -134,13 +144,12 @@ class ProxyApp:
             await replies.error(decision.status, decision.code, decision.message, **extra)
             return
         if decision.gated:
-            await self._work(decision.found, scope, receive, replies)
+            await self._work(decision.found, scope, receive, replies, verdict.token_name)
         else:
             await self._pass(decision.found, scope, receive, replies)
 
-    def _replies(self, send: Any, head: RequestHead) -> Replies:
+    def _replies(self, send: Any, found: Classification) -> Replies:
         """How this request is answered by vacancyd itself: in its route's dialect."""
-        found = self.adapter.classify(head.method, head.raw_path, head.query)
         return Replies(send, self.adapter.dialect_for(found), self._retry_in_place)
 
     async def _pass(
@@ -152,18 +161,23 @@ class ProxyApp:
             await self._forward(found, scope, receive, replies, body, reservation=None)
 
     async def _work(
-        self, found: Classification, scope: dict[str, Any], receive: Any, replies: Replies
+        self,
+        found: Classification,
+        scope: dict[str, Any],
+        receive: Any,
+        replies: Replies,
+        borrower: str,
     ) -> None:
         # Judge what can be judged without the body first: a request that will be refused
         # anyway is refused before its body is read (and before `100 Continue`).
-        early = self._admission.refusal_before_body(self.upstream)
+        early = self._admission.refusal_before_body(self.upstream, borrower=borrower)
         if early is not None:
             self._log_refusal(scope, found, early)
             await replies.refusal(early, close=_has_body(scope["headers"]))
             return
         async with self._buffered_body(scope, receive, replies) as body:
             if body is not None:
-                await self._admit_and_forward(found, scope, receive, replies, body)
+                await self._admit_and_forward(found, scope, receive, replies, body, borrower)
 
     def _log_refusal(self, scope: dict[str, Any], found: Classification, refusal: Refuse) -> None:
         log.info(
@@ -182,6 +196,7 @@ class ProxyApp:
         receive: Any,
         replies: Replies,
         body: bytes,
+        borrower: str,
     ) -> None:
         facts = WorkFacts(model=None)
         parsed: Mapping[str, Any] = {}
@@ -201,7 +216,12 @@ class ProxyApp:
         request = WorkRequest(facts.model, found.path, parsed)
         hint = await self.footprints.hint(self.upstream, facts.model) if self.footprints else None
         outcome = await self._admission.admit(
-            self.upstream, facts.model, facts.job_ids, prove=self._prover(request), hint=hint
+            self.upstream,
+            facts.model,
+            facts.job_ids,
+            prove=self._prover(request),
+            hint=hint,
+            borrower=borrower,
         )
         if isinstance(outcome, Refuse):
             self._log_refusal(scope, found, outcome)
@@ -331,10 +351,10 @@ class ProxyApp:
     ) -> int | None:
         """Relay one request; returns the upstream's status, or None if none was relayed.
 
-        The upstream is read by its own task into a one-chunk channel and the borrower is
-        written from it. Cancelling the relay (the borrower left, or reclaim cut the job)
-        stops the reader at once and closes the upstream connection, even while the writer
-        is still stuck on a borrower that stopped reading.
+        The borrower is written each piece of the upstream's answer as it arrives, one
+        piece in flight. Stopping the relay (the borrower left, or reclaim cut the job)
+        closes the upstream connection at once (`Relay.stop`), even while the write to a
+        borrower that stopped reading is still stuck.
         """
         headers = request_headers(
             scope["headers"],
@@ -346,7 +366,7 @@ class ProxyApp:
         relay = Relay()
         if reservation is not None:
             self._admission.attach(reservation, relay)
-        watch = DisconnectWatch(receive, relay.scope)
+        watch = DisconnectWatch(receive, relay)
         response: UpstreamResponse | None = None
         tail = StreamTail()
         with relay.scope:
@@ -354,7 +374,7 @@ class ProxyApp:
                 nursery.start_soon(watch.run)
                 try:
                     response = await open_upstream(
-                        self._client,
+                        self._pool,
                         self.target,
                         scope["method"],
                         found.path,
@@ -364,11 +384,16 @@ class ProxyApp:
                     )
                 except UpstreamUnavailable as exc:
                     log.warning("upstream %s unavailable: %s", self.upstream.name, exc)
+                    self._reached(str(exc))
                     watch.finishing = True
                     await replies.error(502, "upstream_unavailable", "the upstream did not answer")
                     nursery.cancel_scope.cancel()
                     return None
-                await self._relay_answer(response, replies.send, watch, tail, nursery)
+                relay.upstream = response
+                self._reached(None)
+                hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
+                answered = partial(self._admission.answered, reservation) if reservation else None
+                await self._relay_answer(response, replies.send, watch, tail, hold_head, answered)
                 nursery.cancel_scope.cancel()
         if relay.refusal is not None:
             await self._answer_reclaimed(replies, relay.refusal, response, tail, scope, found)
@@ -384,28 +409,52 @@ class ProxyApp:
             return None
         return response.status if response is not None else None
 
+    def _reached(self, error: str | None) -> None:
+        """Report one attempt to reach the upstream: answered (None), or how it failed."""
+        if self.reachability is not None:
+            self.reachability.note(self.upstream.name, error, trio.current_time())
+
     async def _relay_answer(
         self,
         response: UpstreamResponse,
         send: Any,
         watch: DisconnectWatch,
         tail: StreamTail,
-        nursery: trio.Nursery,
+        hold_head: Callable[[], None] | None = None,
+        answered: Callable[[], None] | None = None,
     ) -> None:
         """Write the upstream's answer to the borrower as it arrives; `tail` follows where
-        the bytes sent so far end, for a final error frame should reclaim cut the stream."""
-        chunks_in, chunks_out = trio.open_memory_channel[bytes](1)
-        nursery.start_soon(response.pump, chunks_in)
+        the bytes sent so far end, for a final error frame should reclaim cut the stream.
+        `answered` is called once the upstream's whole answer is in."""
+        body = response.whole_body()
         try:
-            message = {"type": "http.response.start", "status": response.status}
-            await send({**message, "headers": response.headers})
-            tail.started = True
-            async for chunk in chunks_out:
-                tail.sending(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            head: dict[str, Any] = {"type": "http.response.start", "status": response.status}
+            head["headers"] = response.headers
+            if body is not None:
+                if answered is not None:
+                    answered()
+                # The whole answer came with its head: the head goes out in the same
+                # write as the body (`hold_head`, serving.py).
+                if hold_head is not None:
+                    hold_head()
+                await send(head)
+                tail.started = True
+                watch.finishing = True
+                tail.sending(body)
+                await send({"type": "http.response.body", "body": body, "more_body": False})
                 tail.sent()
-            if response.failure is not None:
-                raise response.failure
+                return
+            try:
+                await send(head)
+                tail.started = True
+                while (chunk := await response.read()) is not None:
+                    tail.sending(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    tail.sent()
+            finally:
+                response.release()
+            if answered is not None:
+                answered()
             watch.finishing = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception as exc:

@@ -1,17 +1,16 @@
 """Relaying one request to the upstream and streaming its answer back, chunk by chunk.
 
-The upstream client is built so it adds nothing of its own: no environment proxies, no
-redirect following, no default Accept-Encoding or User-Agent. The path is sent byte for
-byte as classified (httpx would otherwise re-normalise it), so what the classifier
-judged is exactly what the upstream receives.
+Borrowers' requests go through the lean pool in proxy/pool.py; the httpx client made
+here serves vacancyd's own calls to the upstream (residency reads, unloads, job states).
+Neither adds anything of its own: no environment proxies, no redirect following, no
+default Accept-Encoding or User-Agent. The path is sent byte for byte as classified, so
+what the classifier judged is exactly what the upstream receives.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import trio
@@ -20,6 +19,7 @@ from vacancyd.config import LimitsConfig, Target, is_loopback_host
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import Refuse
 from vacancyd.proxy.headers import response_headers
+from vacancyd.proxy.pool import PooledAnswer, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +39,35 @@ def open_upstream_client(limits: LimitsConfig) -> httpx.AsyncClient:
 
 
 class Relay:
-    """The handle reclaim uses to cut one proxied job, and why it was cut."""
+    """The handle reclaim uses to cut one proxied job, and why it was cut.
+
+    Stopping a relay cancels it and closes its upstream connection at once (`upstream`,
+    once the answer's head is in), even while the relay is still stuck writing to a
+    borrower that stopped reading: the upstream stops working for the job now, not when
+    that write gives up.
+    """
 
     def __init__(self) -> None:
         self.scope = trio.CancelScope()
         self.refusal: Refuse | None = None
+        self.upstream: UpstreamResponse | None = None
 
     def cancel(self, refusal: Refuse) -> None:
         self.refusal = refusal
+        self.stop()
+
+    def stop(self) -> None:
         self.scope.cancel()
+        if self.upstream is not None:
+            self.upstream.abort()
 
 
 class DisconnectWatch:
-    """Cancels the relay when the client goes away; ASGI's send() never tells us."""
+    """Stops the relay when the client goes away; ASGI's send() never tells us."""
 
-    def __init__(self, receive: Any, cancel_scope: trio.CancelScope) -> None:
+    def __init__(self, receive: Any, relay: Relay) -> None:
         self._receive = receive
-        self._cancel_scope = cancel_scope
+        self._relay = relay
         self.client_left = False
         self.finishing = False
 
@@ -65,7 +77,7 @@ class DisconnectWatch:
             if message["type"] == "http.disconnect":
                 if not self.finishing:
                     self.client_left = True
-                    self._cancel_scope.cancel()
+                    self._relay.stop()
                 return
 
 
@@ -98,40 +110,43 @@ def rewrite_location(location: bytes, target: Target) -> bytes:
 class UpstreamResponse:
     """An upstream answer whose body is still to be streamed."""
 
-    def __init__(self, response: httpx.Response, target: Target) -> None:
-        self._response = response
-        self.failure: Exception | None = None
-        self.status = response.status_code
+    def __init__(self, answer: PooledAnswer, target: Target) -> None:
+        self._answer = answer
+        self.status = answer.status
         self.headers = [
             (name, rewrite_location(value, target) if name == b"location" else value)
-            for name, value in response_headers(response.headers.raw)
+            for name, value in response_headers(answer.headers)
         ]
 
-    async def pump(self, chunks: trio.MemorySendChannel[bytes]) -> None:
-        """Read the upstream body into `chunks`; always closes the upstream response.
+    def whole_body(self) -> bytes | None:
+        """The whole body if it arrived with the head (the connection is then released),
+        else None: the body is then taken piece by piece with `read`."""
+        try:
+            if not self._answer.complete:
+                return None
+        except UpstreamError:
+            return None  # `read` meets the same failure and reports it
+        body = self._answer.take()
+        self._answer.release()
+        return body
 
-        A broken upstream stream is kept in `failure` for the writer, which must then break
-        the borrower's stream rather than end it cleanly.
-        """
-        async with chunks:
-            try:
-                raw = cast(AsyncGenerator[bytes, None], self._response.aiter_raw())
-                async with aclosing(raw) as pieces:
-                    async for piece in pieces:
-                        if piece:
-                            await chunks.send(piece)
-            except httpx.HTTPError as exc:
-                self.failure = exc
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self._response.aclose()
+    async def read(self) -> bytes | None:
+        """The body bytes that have arrived, as one piece (waiting for some if none has),
+        or None at the end. Raises UpstreamError if the upstream broke the answer, or if
+        the relay was stopped (see `Relay`): a cut answer never reads as a clean end."""
+        return await self._answer.read()
 
-    async def aclose(self) -> None:
-        await self._response.aclose()
+    def release(self) -> None:
+        """Done with the answer: its connection is reused if it was read to its end."""
+        self._answer.release()
+
+    def abort(self) -> None:
+        """Close the upstream connection now (see `Relay.stop`)."""
+        self._answer.abort()
 
 
 async def open_upstream(
-    client: httpx.AsyncClient,
+    pool: UpstreamPool,
     target: Target,
     method: str,
     path: str,
@@ -140,18 +155,13 @@ async def open_upstream(
     body: bytes,
 ) -> UpstreamResponse:
     """Send the request and wait for the upstream's response headers."""
-    raw_target = (target.base_path + path).encode("ascii")
+    raw_target = (target.base_path + path or "/").encode("ascii")
     if query:
         raw_target += b"?" + query
-    request = client.build_request(
-        method,
-        target.origin + (target.base_path + path or "/"),
-        headers=headers,
-        content=body if body or method not in ("GET", "HEAD") else None,
-        extensions={"target": raw_target},
-    )
     try:
-        response = await client.send(request, stream=True)
-    except httpx.TransportError as exc:
-        raise UpstreamUnavailable(f"{type(exc).__name__}: {exc}") from exc
-    return UpstreamResponse(response, target)
+        answer = await pool.request(
+            method, raw_target, headers, body if body or method not in ("GET", "HEAD") else None
+        )
+    except UpstreamError as exc:
+        raise UpstreamUnavailable(str(exc)) from exc
+    return UpstreamResponse(answer, target)

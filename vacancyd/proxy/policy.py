@@ -103,8 +103,10 @@ def front_door(
     management: Management,
     auth: AuthResult,
     cors_origins: Collection[str] = (),
+    found: Classification | None = None,
 ) -> Forward | Refusal:
-    """Decide one request head (see the module docstring for the order)."""
+    """Decide one request head (see the module docstring for the order). `found` is the
+    adapter's classification of the head, where the caller already has it."""
     if not auth.allowed:
         return Refusal(auth.status, auth.code, auth.message)
     framing = _framing_refusal(head)
@@ -118,7 +120,8 @@ def front_door(
         # This upstream trusts that browsers cannot reach it from other sites, and the proxy
         # must drop Origin for it (it rewrites Host), so the check happens here instead.
         return Refusal(403, "cross_origin_refused", "requests from another site's page are refused")
-    found = adapter.classify(head.method, head.raw_path, head.query)
+    if found is None:
+        found = adapter.classify(head.method, head.raw_path, head.query)
     if found.route_class in (RouteClass.MANAGEMENT, RouteClass.UNKNOWN):
         refusal = _unlisted_refusal(head.method, found, adapter, management)
         if refusal is not None:

@@ -42,6 +42,7 @@ from vacancyd.proxy.dialects import error_body
 from vacancyd.proxy.forward import Relay
 from vacancyd.proxy.headers import HOP_BY_HOP, header_value
 from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
+from vacancyd.reachability import Reachability
 from vacancyd.refusals import advice_headers
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class WebSocketTunnels:
         auth: Authenticator,
         limits: LimitsConfig,
         credential: str | None,
+        reachability: Reachability | None = None,
     ) -> None:
         self.upstream = upstream
         self.adapter = adapter
@@ -97,6 +99,8 @@ class WebSocketTunnels:
         self._auth = auth
         self._limits = limits
         self._credential = credential
+        # Where each attempt to reach the upstream is reported, for /status.
+        self.reachability = reachability
         self.open = 0
         self.refused_not_switched = 0
         self._cors_origins = frozenset(o.lower() for o in upstream.cors_allow_origins)
@@ -116,12 +120,9 @@ class WebSocketTunnels:
             head = RequestHead(
                 request.method.decode("ascii"), raw_path, query, headers, websocket=True
             )
+            verdict = self._auth.check_borrower(headers, client)
             decision = front_door(
-                head,
-                self.adapter,
-                self.upstream.management,
-                self._auth.check_borrower(headers, client),
-                self._cors_origins,
+                head, self.adapter, self.upstream.management, verdict, self._cors_origins
             )
             dialect = self.adapter.dialect_for(self.adapter.classify("GET", raw_path, query))
             if isinstance(decision, Refusal):
@@ -140,7 +141,9 @@ class WebSocketTunnels:
                 return
             self.open += 1
             try:
-                await self._admit_and_tunnel(stream, request, decision, query, rest, dialect)
+                await self._admit_and_tunnel(
+                    stream, request, decision, query, rest, dialect, verdict.token_name
+                )
             finally:
                 self.open -= 1
 
@@ -152,11 +155,12 @@ class WebSocketTunnels:
         query: bytes,
         rest: bytes,
         dialect: Dialect,
+        borrower: str,
     ) -> None:
         if not decision.gated:
             await self._tunnel(stream, request, decision.found.path, query, rest, dialect)
             return
-        outcome = await self._admission.admit(self.upstream, None)
+        outcome = await self._admission.admit(self.upstream, None, borrower=borrower)
         if isinstance(outcome, Refuse):
             await _answer(
                 stream,
@@ -191,6 +195,9 @@ class WebSocketTunnels:
                 upstream = await trio.open_tcp_stream(self.target.host, self.target.port)
         except (OSError, trio.TooSlowError) as exc:
             log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, exc)
+            self._reached(
+                "connect timed out" if isinstance(exc, trio.TooSlowError) else f"connect: {exc}"
+            )
             await _answer(
                 stream, dialect, 502, "upstream_unavailable", "the upstream did not answer"
             )
@@ -201,6 +208,7 @@ class WebSocketTunnels:
                 target += b"?" + query
             key = header_value(request.headers, b"sec-websocket-key") or b""
             answer = await self._handshake(upstream, self._replayed(request, target), key)
+            self._reached(None if answer else "no valid answer to a WebSocket upgrade")
             if answer is None:
                 await _answer(
                     stream,
@@ -218,6 +226,11 @@ class WebSocketTunnels:
             if rest:
                 await _send_quietly(upstream, rest)
             await self._splice(stream, upstream)
+
+    def _reached(self, error: str | None) -> None:
+        """Report one attempt to reach the upstream: answered (None), or how it failed."""
+        if self.reachability is not None:
+            self.reachability.note(self.upstream.name, error, trio.current_time())
 
     def _replayed(self, request: h11.Request, target: bytes) -> h11.Request:
         headers = list(request.headers)

@@ -1,0 +1,200 @@
+"""The relay's upstream client (proxy/pool.py) against a scripted server over real sockets.
+
+Each test's server reads requests off a connection and answers with the bytes the test
+scripts, so what the client sends, reuses and reads is seen exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+import trio.testing
+
+from vacancyd.config import parse_target
+from vacancyd.proxy.pool import PooledAnswer, UpstreamError, UpstreamPool
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+HOST = [(b"host", b"upstream")]
+
+Reply = Callable[[trio.SocketStream, bytes], Awaitable[bool]]
+
+
+class Script:
+    """A server that answers each request with `reply`; False from it closes the connection."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.connections = 0
+        self.closed = 0
+        self._closing = trio.Event()
+        self.requests: list[bytes] = []
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        try:
+            await self._serve(stream)
+        finally:
+            self.closed += 1
+            self._closing.set()
+            self._closing = trio.Event()
+
+    async def wait_closed(self, count: int) -> None:
+        """Until `count` connections have ended on the server's side."""
+        with trio.fail_after(5):
+            while self.closed < count:
+                await self._closing.wait()
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        buffer = b""
+        async with stream:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buffer) < length:
+                    buffer += await stream.receive_some(65536)
+                request, buffer = head + b"\r\n\r\n" + buffer[:length], buffer[length:]
+                self.requests.append(request)
+                if not await self.reply(stream, request):
+                    return
+
+
+@asynccontextmanager
+async def serving(reply: Reply) -> AsyncIterator[tuple[Script, UpstreamPool]]:
+    script = Script(reply)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, script.serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = UpstreamPool(parse_target(f"http://127.0.0.1:{port}"), connect_timeout_s=5)
+        try:
+            yield script, pool
+        finally:
+            pool.close()
+            nursery.cancel_scope.cancel()
+
+
+async def read_all(answer: PooledAnswer) -> bytes:
+    pieces = []
+    while (piece := await answer.read()) is not None:
+        pieces.append(piece)
+    answer.release()
+    return b"".join(pieces)
+
+
+def answering(*replies: bytes, keep_open: bool = True) -> Reply:
+    async def reply(stream: trio.SocketStream, request: bytes) -> bool:
+        for piece in replies:
+            await stream.send_all(piece)
+        return keep_open
+
+    return reply
+
+
+async def test_connections_are_kept_alive_and_requests_sent_as_given() -> None:
+    async with serving(answering(OK)) as (script, pool):
+        first = await pool.request("GET", b"/v1/models?x=%2F", HOST, None)
+        assert (first.status, await read_all(first)) == (200, b"ok")
+        second = await pool.request("POST", b"/v1/chat/completions", HOST, b"")
+        assert await read_all(second) == b"ok"
+        third = await pool.request("POST", b"/v1/chat/completions", HOST, b'{"a": 1}')
+        assert await read_all(third) == b"ok"
+    assert script.connections == 1
+    get, empty_post, post = script.requests
+    assert get.startswith(b"GET /v1/models?x=%2F HTTP/1.1\r\nhost: upstream\r\n")
+    assert b"content-length" not in get.lower()  # no body, no length
+    assert b"content-length: 0\r\n" in empty_post.lower()
+    assert post.endswith(b'content-length: 8\r\n\r\n{"a": 1}')
+
+
+async def test_a_connection_the_upstream_closed_while_idle_is_not_reused() -> None:
+    async with serving(answering(OK, keep_open=False)) as (script, pool):
+        for closed in (1, 2):
+            answer = await pool.request("GET", b"/health", HOST, None)
+            assert await read_all(answer) == b"ok"
+            await script.wait_closed(closed)
+            await trio.testing.wait_all_tasks_blocked()  # its EOF is there to be seen
+    assert script.connections == 2
+
+
+async def test_an_answer_not_read_to_its_end_closes_its_connection() -> None:
+    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n"
+    async with serving(answering(chunked)) as (script, pool):
+        answer = await pool.request("POST", b"/v1/completions", HOST, b"{}")
+        assert await answer.read() == b"abc"
+        answer.release()  # the borrower left mid-stream
+        await script.wait_closed(1)  # the upstream sees the connection end
+        answer = await pool.request("POST", b"/v1/completions", HOST, b"{}")
+        assert await answer.read() == b"abc"
+        answer.release()
+    assert script.connections == 2
+
+
+async def test_pieces_that_arrived_together_are_read_as_one() -> None:
+    events = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b"data: 1\n\n", b"data: 2\n\n"))
+    reply = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events + b"0\r\n\r\n"
+    async with serving(answering(reply)) as (_, pool):
+        answer = await pool.request("POST", b"/v1/completions", HOST, b"{}")
+        assert answer.complete
+        assert answer.take() == b"data: 1\n\ndata: 2\n\n"
+        assert await answer.read() is None
+        answer.release()
+
+
+async def test_informational_answers_are_skipped_and_a_close_delimited_body_read() -> None:
+    reply = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\n\r\nall of it"
+    async with serving(answering(reply, keep_open=False)) as (script, pool):
+        answer = await pool.request("GET", b"/", HOST, None)
+        assert (answer.status, await read_all(answer)) == (200, b"all of it")
+        assert await read_all(await pool.request("GET", b"/", HOST, None)) == b"all of it"
+    assert script.connections == 2  # a body that ends with the connection ends it
+
+
+async def test_failures_are_named_as_httpx_named_them() -> None:
+    async with serving(answering(OK)) as (_, pool):
+        pass
+    with pytest.raises(UpstreamError, match=r"^ConnectError: "):
+        await pool.request("GET", b"/", HOST, None)
+
+    short = b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nshort"
+    async with serving(answering(short, keep_open=False)) as (_, pool):
+        answer = await pool.request("GET", b"/", HOST, None)
+        with pytest.raises(UpstreamError, match=r"^RemoteProtocolError: "):
+            await read_all(answer)
+        answer.release()
+
+    async with serving(answering(b"", keep_open=False)) as (_, pool):
+        with pytest.raises(UpstreamError, match=r"^RemoteProtocolError: Server disconnected"):
+            await pool.request("GET", b"/", HOST, None)
+
+
+async def test_an_aborted_answer_never_reads_as_a_clean_end() -> None:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    async with serving(answering(head)) as (_, pool):
+        answer = await pool.request("POST", b"/v1/completions", HOST, b"{}")
+        failures: list[BaseException] = []
+
+        async def reader() -> None:
+            try:
+                await answer.read()
+            except UpstreamError as exc:
+                failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            answer.abort()  # as Relay.stop does while the relay waits on the upstream
+        assert failures and str(failures[0]).startswith("ReadError")
+        with pytest.raises(UpstreamError):
+            await answer.read()
