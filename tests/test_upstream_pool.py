@@ -198,3 +198,13 @@ async def test_an_aborted_answer_never_reads_as_a_clean_end() -> None:
         assert failures and str(failures[0]).startswith("ReadError")
         with pytest.raises(UpstreamError):
             await answer.read()
+
+
+async def test_no_cookie_the_upstream_sets_is_sent_back_on_a_later_request() -> None:
+    # httpx kept a cookie jar, so one borrower's upstream session rode along on the next
+    # borrower's request; the relay's client keeps nothing between requests.
+    cookie = b"HTTP/1.1 200 OK\r\nset-cookie: session=borrower-a\r\ncontent-length: 2\r\n\r\nok"
+    async with serving(answering(cookie)) as (script, pool):
+        for _ in range(2):
+            assert await read_all(await pool.request("GET", b"/v1/models", HOST, None)) == b"ok"
+    assert all(b"cookie" not in request.lower() for request in script.requests)
