@@ -140,6 +140,27 @@ async def test_a_refused_body_is_never_asked_for(echo: EchoUpstream, tmp_path: P
     assert echo.seen == []
 
 
+async def test_a_front_door_refusal_of_an_unread_body_says_the_connection_closes(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    # The connection cannot carry another request with that body still owed; a client
+    # not told so sends its next request into a connection being closed.
+    async with in_process_daemon(config(echo, tmp_path)) as daemon:
+        stream = await open_raw(daemon)
+        async with stream:
+            await stream.send_all(
+                b"POST /not/a/route HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            )
+            reply = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+    assert reply.startswith(b"HTTP/1.1 501")
+    assert b"connection: close" in reply.lower()
+    assert echo.seen == []
+
+
 @pytest.mark.parametrize("listener", ["echo", "api"])
 async def test_heads_over_the_line_count_get_431_on_every_listener(
     echo: EchoUpstream, tmp_path: Path, listener: str

@@ -13,9 +13,10 @@ using it?". Its rules:
   and model, up to the server's own parallelism (its slots); one more is `resource_busy`.
   It never joins a job of another upstream or another model, or a held job.
 * **No reuse on stale numbers.** A resource released by a finished job takes no new load
-  until a capacity sample taken after the release arrives. A credited request does not
-  wait: it charges only `resident_min_free_mib`, and a reading from before the release
-  shows less free memory than there is, never more.
+  until a capacity sample taken after the release arrives (or after the upstream had sent
+  the job's whole answer: the job is over by then, see `answered`). A credited request
+  does not wait: it charges only `resident_min_free_mib`, and a reading from before the
+  release shows less free memory than there is, never more.
 * **Holds.** A job that could not be proved stopped holds its resources durably (see
   holds.py) and refuses everything on them with `job_held`.
 

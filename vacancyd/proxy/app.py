@@ -141,7 +141,12 @@ class ProxyApp:
             extra: dict[str, Any] = {}
             if decision.allowed_reads is not None:
                 extra["allowed_reads"] = list(decision.allowed_reads)
-            await replies.error(decision.status, decision.code, decision.message, **extra)
+            # A body left unread ends the connection (hypercorn closes it once the answer
+            # is out): say so, so the client does not send its next request into it.
+            close = _has_body(headers)
+            await replies.error(
+                decision.status, decision.code, decision.message, close=close, **extra
+            )
             return
         if decision.gated:
             await self._work(decision.found, scope, receive, replies, verdict.token_name)
@@ -391,6 +396,14 @@ class ProxyApp:
                     return None
                 relay.upstream = response
                 self._reached(None)
+                # What httpx's request line said, less the query string; off unless debug.
+                log.debug(
+                    "relayed %s %s on %s: %d",
+                    scope["method"],
+                    found.path,
+                    self.upstream.name,
+                    response.status,
+                )
                 hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
                 answered = partial(self._admission.answered, reservation) if reservation else None
                 await self._relay_answer(response, replies.send, watch, tail, hold_head, answered)
@@ -428,8 +441,11 @@ class ProxyApp:
         `answered` is called once the upstream's whole answer is in."""
         body = response.whole_body()
         try:
-            head: dict[str, Any] = {"type": "http.response.start", "status": response.status}
-            head["headers"] = response.headers
+            head = {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": response.headers,
+            }
             if body is not None:
                 if answered is not None:
                     answered()

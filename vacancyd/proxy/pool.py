@@ -184,7 +184,7 @@ class UpstreamPool:
         self._idle: list[_Connection] = []
         self._ssl: ssl.SSLContext | None = None
         if target.scheme == "https":
-            self._ssl = httpx.create_ssl_context()
+            self._ssl = httpx.create_ssl_context(trust_env=False)  # as the httpx client had
         self._family = _address_family(target.host)
 
     async def request(
