@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -30,3 +39,43 @@ def version() -> str:
         return metadata.version("vacancyd")
     except metadata.PackageNotFoundError:
         return "(not installed)"
+
+
+def llama_version(binary: str) -> str:
+    """What `llama-server --version` says, or "?"."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        result = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+        for line in (result.stdout + result.stderr).splitlines():
+            if line.startswith("version:"):
+                return line.removeprefix("version:").strip()
+    return "?"
+
+
+@attrs.frozen
+class LlamaRun:
+    result: dict[str, Any]
+    load: tuple[float, float, float] | None
+    total_s: float
+    llama: str
+
+
+def run_with_llama(args: Any, measure: Callable[[Any, str], Awaitable[dict[str, Any]]]) -> LlamaRun:
+    """Start the real llama-server fixture (`args.slots`, `args.threads`) and run
+    `measure(args, url)` under `args.max_seconds`, counted from now; with the load at the
+    start and the server's version, for the report."""
+    from tests.support.llama import llama_paths, llama_server
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    started = time.perf_counter()
+    llama = llama_version(llama_paths()[0])
+    extra = ["-t", str(args.threads)] if args.threads != 1 else []
+    with llama_server(slots=args.slots, extra=extra) as llama_url:
+
+        async def bounded() -> dict[str, Any]:
+            with trio.fail_after(args.max_seconds - (time.perf_counter() - started)):
+                return await measure(args, llama_url)
+
+        result = trio.run(bounded)
+    return LlamaRun(result, load, time.perf_counter() - started, llama)

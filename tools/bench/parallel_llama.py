@@ -37,7 +37,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,8 +54,8 @@ import httpx
 import trio
 
 from tests.support.daemon import daemon_process
-from tests.support.llama import llama_paths, llama_server
-from tools.bench.common import spread, version
+from tests.support.llama import llama_paths
+from tools.bench.common import run_with_llama, spread, version
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 REQUEST_TIMEOUT_S = 60.0
@@ -192,17 +191,6 @@ async def measure(args: argparse.Namespace, llama_url: str) -> dict[str, Any]:
 # Report
 
 
-def llama_version(binary: str) -> str:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        result = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
-        )
-        for line in (result.stdout + result.stderr).splitlines():
-            if line.startswith("version:"):
-                return line.removeprefix("version:").strip()
-    return "?"
-
-
 def versions() -> str:
     found = []
     for name in ("trio", "hypercorn", "httpx", "h11"):
@@ -314,18 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
 
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    started = time.perf_counter()
-    llama = llama_version(llama_paths()[0])
-    extra = ["-t", str(args.threads)] if args.threads != 1 else []
-    with llama_server(slots=args.slots, extra=extra) as llama_url:
-
-        async def bounded() -> dict[str, Any]:
-            with trio.fail_after(args.max_seconds - (time.perf_counter() - started)):
-                return await measure(args, llama_url)
-
-        result = trio.run(bounded)
-    total_s = time.perf_counter() - started
+    run = run_with_llama(args, measure)
+    result, load, total_s, llama = run.result, run.load, run.total_s, run.llama
     summary = summarise(result)
     print(report(args, result, summary, load, total_s, llama))
     if args.json:

@@ -64,9 +64,9 @@ import psutil
 import trio
 
 from tests.support.daemon import daemon_process, host_port
-from tests.support.llama import llama_paths, llama_server
-from tools.bench.common import spread, version
-from tools.bench.parallel_llama import CONFIG, PROMPT, llama_version, versions
+from tests.support.llama import llama_paths
+from tools.bench.common import run_with_llama, spread, version
+from tools.bench.parallel_llama import CONFIG, PROMPT, versions
 
 PATHS = ("direct", "proxy")
 SOCKET_TIMEOUT_S = 60.0
@@ -519,7 +519,7 @@ def report(
     args: argparse.Namespace,
     result: dict[str, Any],
     summary: dict[str, Any],
-    load: tuple[float, float, float],
+    load: tuple[float, float, float] | None,
     total_s: float,
     llama: str,
 ) -> str:
@@ -537,7 +537,7 @@ def report(
         f"llama-server {llama}, model {Path(llama_paths()[1]).name}, "
         f"-np {args.slots} -t {args.threads}",
         f"{platform.machine()}, nproc {os.cpu_count()}, "
-        f"load {'/'.join(f'{value:.2f}' for value in load)} at start",
+        f"load {'/'.join(f'{value:.2f}' for value in load) if load else '?'} at start",
         f"{args.pairs} pairs per sequential phase (+{args.warmup} warm-up per path), "
         f"{args.rounds} parallel rounds of N = {args.slots}, {args.capacity_rounds} capacity "
         f"windows of {args.window:g} s per path with {args.clients} clients on "
@@ -613,18 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.slots, args.threads, args.pairs, args.rounds, args.clients) < 1:
         parser.error("--slots, --threads, --pairs, --rounds and --clients must be >= 1")
 
-    load = os.getloadavg()
-    started = time.perf_counter()
-    llama = llama_version(llama_paths()[0])
-    extra = ["-t", str(args.threads)] if args.threads != 1 else []
-    with llama_server(slots=args.slots, extra=extra) as llama_url:
-
-        async def bounded() -> dict[str, Any]:
-            with trio.fail_after(args.max_seconds - (time.perf_counter() - started)):
-                return await measure(args, llama_url)
-
-        result = trio.run(bounded)
-    total_s = time.perf_counter() - started
+    run = run_with_llama(args, measure)
+    result, load, total_s, llama = run.result, run.load, run.total_s, run.llama
     summary = summarise(result)
     print(report(args, result, summary, load, total_s, llama))
     if args.json:

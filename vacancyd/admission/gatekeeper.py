@@ -248,12 +248,12 @@ class Admission:
         if not (credit.applies or credit.reusable_mib) and (
             residency.resident or residency.reusable_mib
         ):
-            residency = await prove(max(not_before, self._now() - 0.001))
+            residency = await prove(max(not_before, trio.current_time() - 0.001))
             credit = self._credit(upstream, residency, not_before)
         return credit, residency
 
     def _credit(self, upstream: UpstreamConfig, residency: Residency, not_before: float) -> _Credit:
-        age = self._now() - residency.taken_at
+        age = trio.current_time() - residency.taken_at
         where = f"per {residency.source} {max(age, 0.0):.1f}s old"
         if not residency.resident and residency.reusable_mib:
             return self._reuse(upstream, residency, not_before, where)
@@ -279,7 +279,8 @@ class Admission:
             if self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
         ]
         fresh = (
-            self._now() - residency.taken_at <= PROOF_MAX_AGE_S and residency.taken_at >= not_before
+            trio.current_time() - residency.taken_at <= PROOF_MAX_AGE_S
+            and residency.taken_at >= not_before
         )
         if len(gpus) != 1 or not fresh:
             why = "the route has not exactly one GPU" if len(gpus) != 1 else "it is stale"
@@ -302,11 +303,8 @@ class Admission:
         else:
             self._decisions.record(upstream.name, question, decide(question))
         refused = outcome.reason.value if isinstance(outcome, Refuse) else None
-        self._ledger.accounting.decided(borrower, upstream.name, refused, self._now())
+        self._ledger.accounting.decided(borrower, upstream.name, refused, trio.current_time())
         return outcome
-
-    def _now(self) -> float:
-        return trio.current_time()
 
     def refusal_before_body(
         self, upstream: UpstreamConfig, *, borrower: str = ANONYMOUS
@@ -339,7 +337,7 @@ class Admission:
             )
             self._decisions.record(upstream.name, question, refusal)
             self._ledger.accounting.decided(
-                borrower, upstream.name, refusal.reason.value, self._now()
+                borrower, upstream.name, refusal.reason.value, trio.current_time()
             )
         return refusal
 
