@@ -329,6 +329,7 @@ async def daemon_that_will_not_start(config_file: Path) -> str:
     return log
 
 
+@pytest.mark.slow
 async def test_a_token_file_others_can_read_stops_the_real_daemon(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -451,6 +452,7 @@ UPGRADE_HEAD = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", ["oversized", "half-closed"])
 async def test_a_malformed_upgrade_is_refused_and_the_daemon_keeps_serving(
     echo: EchoUpstream, tmp_path: Path, cut: str
@@ -708,6 +710,7 @@ async def test_a_credential_file_behind_a_symlink_stops_the_daemon_naming_its_ke
         await run_daemon(parsed, handle_signals=False)
 
 
+@pytest.mark.slow
 @needs_root
 async def test_a_credential_file_of_another_user_stops_the_real_daemon(
     echo: EchoUpstream, tmp_path: Path

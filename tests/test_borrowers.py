@@ -24,11 +24,11 @@ from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream, serve_echo
 from vacancyd.accounting import BorrowerAccounting
 from vacancyd.admission import Ledger, Reservation
-from vacancyd.cli import render_status
 from vacancyd.config import parse_config
 from vacancyd.errors import ConfigError
 from vacancyd.reachability import Reachability
 from vacancyd.state import SharedState
+from vacancyd.status_text import render_status
 
 # trio-websocket's client leaves its socket to the garbage collector when the server side
 # closes first (see test_tunnel.py).

@@ -68,6 +68,7 @@ async def test_a_refusal_is_a_response_error_whose_string_names_the_reason(
     assert server.seen == []
 
 
+@pytest.mark.slow
 async def test_a_stream_cut_by_the_owner_is_a_response_error(
     lent: tuple[FakeOllama, InProcessDaemon],
 ) -> None:

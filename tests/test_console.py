@@ -34,6 +34,9 @@ from vacancyd.admission import HOLDS_KIND
 from vacancyd.persist import ensure_private_dir, write_json
 from vacancyd.schedule import DAY_NAMES
 
+# A real daemon and a real browser per test.
+pytestmark = pytest.mark.slow
+
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 ALICE = "alice-0123456789abcdef"
 VIEWER = "viewer-0123456789abcdef"

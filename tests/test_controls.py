@@ -206,7 +206,7 @@ async def test_a_pause_and_the_resource_switches_survive_a_restart(
         assert not second.state.lending_enabled
         assert second.state.paused_until is None
         assert second.state.resource_switch == {"ram": False, "cpu": True}
-        assert second.state.state_files.problems == ()
+        assert second.controls.state_files.problems == ()
 
 
 async def test_a_snooze_survives_a_restart_and_ends_on_its_wall_deadline(
@@ -278,7 +278,7 @@ async def test_an_untrusted_switches_file_starts_paused_until_an_admin_resumes(
         async with controls(state_dir) as r:
             assert not r.state.lending_enabled, why
             assert r.state.paused_until is None, why
-            [problem] = r.state.state_files.problems
+            [problem] = r.controls.state_files.problems
             assert (problem.path, problem.kind) == (str(path), "switches"), why
             assert "starts paused" in problem.consequence
             refusal = r.refusal()
@@ -288,7 +288,7 @@ async def test_an_untrusted_switches_file_starts_paused_until_an_admin_resumes(
             [moved] = state_dir.glob(f"{SWITCHES_FILE}.rejected-*")
             assert moved.read_bytes() == content
             assert r.saved()["lending"]["enabled"] is True
-            assert r.state.state_files.problems == ()
+            assert r.controls.state_files.problems == ()
 
 
 async def test_a_symbolic_link_is_not_followed_and_starts_paused(
@@ -301,7 +301,7 @@ async def test_a_symbolic_link_is_not_followed_and_starts_paused(
     (state_dir / SWITCHES_FILE).symlink_to(elsewhere)
     async with controls(state_dir) as r:
         assert not r.state.lending_enabled
-        [problem] = r.state.state_files.problems
+        [problem] = r.controls.state_files.problems
         assert "symbolic link" in problem.reason
 
 
@@ -314,7 +314,7 @@ async def test_a_switch_that_cannot_be_saved_is_in_effect_and_says_so(
         why = r.controls.set_lending(False)
         assert why is not None and "cannot be written" in why
         assert not r.state.lending_enabled  # the pause holds in the running daemon
-        [problem] = r.state.state_files.problems
+        [problem] = r.controls.state_files.problems
         assert problem.kind == "switches" and "a restart would" in problem.consequence
 
 
@@ -436,7 +436,7 @@ async def test_work_running_at_the_end_of_a_window_is_drained_then_cut(
         assert relay.refusal.retry_after_s == 3600
         record = r.reclaims["a"].last
         assert record is not None
-        assert (record.trigger, record.policy, record.phase) == ("hours", "drain", "done")
+        assert (record.trigger.label, record.policy, record.phase) == ("hours", "drain", "done")
         assert record.cancelled_jobs
         nursery.cancel_scope.cancel()
 
@@ -522,4 +522,4 @@ async def test_a_saved_switch_of_a_resource_no_longer_configured_is_ignored(
     async with controls(tmp_path) as r:
         assert r.state.lending_enabled
         assert r.state.resource_switch == {"ram": True, "cpu": False}
-        assert r.state.state_files.problems == ()
+        assert r.controls.state_files.problems == ()

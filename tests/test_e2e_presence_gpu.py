@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from tests.support.daemon import DaemonProcess, daemon_env, daemon_process
@@ -45,6 +46,9 @@ from tests.support.fake_nvml import (
     fake_nvml_library,
 )
 from tests.support.logind import MockLogind, mock_logind
+
+# Each test starts the daemon as a subprocess, with a mock logind and a stand-in NVML.
+pytestmark = pytest.mark.slow
 
 UUID = "GPU-8d3a1c6e-0b7f-4a52-9e61-1f2d3c4b5a60"
 SESSION = "2"

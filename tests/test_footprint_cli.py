@@ -71,6 +71,7 @@ def run_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_gguf_estimate_prints_its_parts_and_a_snippet_check_config_accepts(
     tmp_path: Path,
 ) -> None:

@@ -22,6 +22,9 @@ from tests.support.llama import LISTENING, llama_paths
 from vacancyd.footprint.estimate import estimate, kv_bytes_per_element
 from vacancyd.footprint.gguf_reader import read_geometry
 
+# Each case starts a real llama-server.
+pytestmark = pytest.mark.slow
+
 KV_SIZE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB")
 MODEL_BUFFER = re.compile(r"CPU_Mapped model buffer size = +([\d.]+) MiB")
 

@@ -23,7 +23,7 @@ from vacancyd.proxy.policy import (
     front_door,
 )
 from vacancyd.proxy.tunnel import expected_accept
-from vacancyd.serving import head_problem
+from vacancyd.serving_protocol import head_problem
 
 ALLOWED = AuthResult(True, token_name="local")
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="

@@ -35,6 +35,9 @@ from tests.support.fake_http import raw_chunks
 from tests.support.logind import mock_logind
 from tests.support.upstreams import EchoUpstream
 
+# Each test starts (and restarts) the daemon as a subprocess.
+pytestmark = pytest.mark.slow
+
 SESSION = "2"
 WAIT_S = 15.0
 POLL_S = 0.05

@@ -126,12 +126,12 @@ async def test_an_untrustworthy_holds_file_refuses_every_resource(
     before = os.readlink(path) if path.is_symlink() else path.read_bytes()
 
     with caplog.at_level(logging.WARNING, logger="vacancyd"):
-        state, ledger = ledger_on(path)
+        _state, ledger = ledger_on(path)
 
     # Reported: in the log with path and reason, and for /status in the registry.
     [record] = [r for r in caplog.records if str(path) in r.getMessage()]
     assert why in record.getMessage()
-    [problem] = state.state_files.problems
+    [problem] = ledger.state_files.problems
     assert (problem.path, problem.kind) == (str(path), "holds")
     assert why in problem.reason
     assert set(problem.resources) == RESOURCES
@@ -164,7 +164,7 @@ async def test_an_untrustworthy_holds_file_refuses_again_after_a_restart(tmp_pat
 
 async def test_clearing_moves_the_file_aside_and_lends_again(tmp_path: Path) -> None:
     path = private(tmp_path / "holds.json", b"{garbage")
-    state, ledger = ledger_on(path)
+    _state, ledger = ledger_on(path)
     assert ledger.release_hold(1, "not a job") is None  # job releases do not clear it
 
     moved = ledger.clear_unreadable_holds("cleared by an admin")
@@ -173,7 +173,7 @@ async def test_clearing_moves_the_file_aside_and_lends_again(tmp_path: Path) -> 
     assert moved.name.startswith("holds.json.rejected-")
     assert moved.read_bytes() == b"{garbage"
     assert json.loads(path.read_text())["data"] == {"holds": []}  # a good, empty file again
-    assert state.state_files.problems == ()
+    assert ledger.state_files.problems == ()
     assert ledger.unreadable_holds is None
     assert isinstance(ledger.try_reserve("llama", ("ram",), None), Reservation)
     assert ledger.clear_unreadable_holds("again") is None  # nothing left to clear
@@ -183,9 +183,9 @@ async def test_clearing_moves_the_file_aside_and_lends_again(tmp_path: Path) -> 
 
 
 async def test_a_missing_holds_file_is_no_problem(tmp_path: Path) -> None:
-    state, ledger = ledger_on(tmp_path / "holds.json")
+    _state, ledger = ledger_on(tmp_path / "holds.json")
     assert ledger.unreadable_holds is None
-    assert state.state_files.problems == ()
+    assert ledger.state_files.problems == ()
     assert isinstance(ledger.try_reserve("llama", ("ram",), None), Reservation)
 
 
@@ -194,9 +194,9 @@ async def test_a_hold_on_a_resource_no_longer_configured_is_dropped_not_blocking
 ) -> None:
     path = tmp_path / "holds.json"
     write_json(path, HOLDS_KIND, {"holds": [hold_entry(resources=["gpu9"])]})
-    state, ledger = ledger_on(path)
+    _state, ledger = ledger_on(path)
     assert ledger.unreadable_holds is None
-    assert state.state_files.problems == ()
+    assert ledger.state_files.problems == ()
     assert isinstance(ledger.try_reserve("llama", ("ram",), None), Reservation)
 
 

@@ -26,11 +26,15 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 import trio
 
 from tests.support.configs import one_upstream_config
 from tests.support.daemon import DaemonProcess, daemon_process, host_port
 from tests.support.upstreams import EchoUpstream
+
+# Each test starts the daemon as a subprocess and loads it.
+pytestmark = pytest.mark.slow
 
 IDLE = 500
 STREAM_BYTES = 256 * 1024 * 1024

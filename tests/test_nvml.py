@@ -271,7 +271,7 @@ async def test_free_memory_in_the_driver_reaches_admission(fake_nvml: FakeNvmlFi
 
     assert state.resource_view("gpu0").quality is Quality.UNKNOWN
     assert decision() is Reason.RESOURCE_UNMEASURED
-    async with running(state):
+    async with running(state) as (collector, _):
         view = state.resource_view("gpu0")
         assert view.quality is Quality.READY
         assert view.spare_mib == 20 * 1024 - 2048
@@ -280,7 +280,7 @@ async def test_free_memory_in_the_driver_reaches_admission(fake_nvml: FakeNvmlFi
         assert (first.total_bytes, first.free_bytes) == (24 * GIB, 20 * GIB)
         assert first.utilization_pct == 0.0
         assert UUID_A in first.detail and "driver 550.54.15" in first.detail
-        assert state.collector_notes["nvml"] == "NVML driver 550.54.15, 1 GPU visible"
+        assert collector.broker.notes()["nvml"] == "NVML driver 550.54.15, 1 GPU visible"
 
         world.gpus[0].used_bytes = 20 * GIB
         world.gpus[0].util_pct = 35
@@ -538,7 +538,7 @@ async def test_missing_library_is_a_collector_note_not_a_crash(
     monkeypatch.setattr(pynvml, "CDLL", no_library)
     state = SharedState(config_for(0, 1))
     async with running(state) as (collector, _):
-        note = state.collector_notes["nvml"]
+        note = collector.broker.notes()["nvml"]
         assert note.startswith("NVML not loadable: libnvidia-ml.so.1 not found")
         for name in ("gpu0", "gpu1"):
             view = state.resource_view(name)
@@ -546,7 +546,7 @@ async def test_missing_library_is_a_collector_note_not_a_crash(
         monkeypatch.undo()  # the driver "arrives"; later polls retry init
         await wait_for(state, lambda: collector.statistics().loaded)
         await wait_for(state, lambda: state.resource_view("gpu1").quality is Quality.READY)
-        assert state.collector_notes["nvml"] == "NVML driver 550.54.15, 2 GPUs visible"
+        assert collector.broker.notes()["nvml"] == "NVML driver 550.54.15, 2 GPUs visible"
 
 
 @pytest.mark.parametrize(
@@ -566,7 +566,7 @@ async def test_a_driver_that_will_not_start_is_a_note_and_is_retried(
         fake_nvml.state.write(world)
     state = SharedState(config_for(0))
     async with running(state) as (collector, _):
-        assert state.collector_notes["nvml"].startswith(note)
+        assert collector.broker.notes()["nvml"].startswith(note)
         view = state.resource_view("gpu0")
         assert view.quality is Quality.UNKNOWN and view.quality_detail.startswith(note)
         assert not collector.statistics().loaded

@@ -32,6 +32,7 @@ from vacancyd.presence.owner_processes import (
     find_owner_programs,
     scan_owner_programs,
 )
+from vacancyd.probe import CallLane
 
 ME = os.getuid()
 GAME_CONFIG = presence_config_text(owner_processes=("ownergame",))
@@ -93,15 +94,24 @@ async def test_a_scan_that_overruns_its_deadline_is_abandoned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     release = threading.Event()
+    scans: list[object] = []
 
     def wedged(names: object, uids: object) -> tuple[str, ...]:
+        scans.append(names)
         release.wait(30)
         return ("late",)
 
     monkeypatch.setattr(owner_processes, "find_owner_programs", wedged)
+    lane = CallLane()
     try:
-        with trio.fail_after(10), pytest.raises(OwnerScanTimeout, match=r"within 0\.2s"):
-            await scan_owner_programs(["ownergame"], [ME], deadline_s=0.2)
+        with trio.fail_after(10):
+            while lane.stuck_since() is None:  # until a scan got as far as its thread
+                with pytest.raises(OwnerScanTimeout, match=r"within 0\.2s"):
+                    await scan_owner_programs(["ownergame"], [ME], deadline_s=0.2, lane=lane)
+            # While that scan is stuck, the next one is refused without another thread.
+            with pytest.raises(OwnerScanTimeout, match="has not returned"):
+                await scan_owner_programs(["ownergame"], [ME], deadline_s=0.2, lane=lane)
+            assert len(scans) == 1
     finally:
         release.set()
 

@@ -17,11 +17,15 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.configs import one_upstream_config
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.upstreams import EchoUpstream
 from tests.test_hold_restart import WAIT_S, cli, status, status_until
+
+# Each test starts (and restarts) the daemon as a subprocess.
+pytestmark = pytest.mark.slow
 
 WORK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SNOOZE = "6s"

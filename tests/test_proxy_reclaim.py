@@ -47,6 +47,7 @@ def owner_returns(daemon: InProcessDaemon) -> float:
     return now
 
 
+@pytest.mark.slow
 async def test_a_stream_is_cut_at_the_drain_deadline_and_new_work_is_refused(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -92,6 +93,7 @@ async def test_a_stream_is_cut_at_the_drain_deadline_and_new_work_is_refused(
         assert 'vacancyd_holds{upstream="echo"} 0.0' in metrics
 
 
+@pytest.mark.slow
 async def test_cancellation_before_the_answer_is_a_503(echo: EchoUpstream, tmp_path: Path) -> None:
     async with (
         in_process_daemon(config(echo, tmp_path, "cancel")) as daemon,

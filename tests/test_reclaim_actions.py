@@ -30,12 +30,8 @@ from vacancyd.adapters.actions import (
     UpstreamContext,
 )
 from vacancyd.adapters.comfyui import describe_submission
-from vacancyd.adapters.comfyui_actions import (
-    ALL_MODELS,
-    ComfyUIActions,
-    parse_system_stats,
-    scan_queue_prefix,
-)
+from vacancyd.adapters.comfyui_actions import ALL_MODELS, ComfyUIActions
+from vacancyd.adapters.comfyui_reads import parse_system_stats, scan_queue_prefix
 from vacancyd.adapters.ollama_actions import OllamaActions, ResidentModel, parse_ps
 from vacancyd.config import parse_target
 

@@ -243,6 +243,7 @@ async def test_ollama_stream_is_cut_then_its_model_unloaded_and_confirmed(
         assert 'vacancyd_holds{upstream="ollama"} 0.0' in metrics
 
 
+@pytest.mark.slow
 async def test_an_unload_whose_memory_never_comes_back_is_not_confirmed(
     fake_nvml: FakeNvmlFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,6 +270,7 @@ async def test_an_unload_whose_memory_never_comes_back_is_not_confirmed(
         assert metric(metrics, "vacancyd_unload_requested_seconds", "ollama") is not None
 
 
+@pytest.mark.slow
 async def test_waiting_for_unloaded_memory_does_not_read_the_gpu_back_to_back(
     fake_nvml: FakeNvmlFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -549,6 +551,7 @@ default_need_mib = {{ ram = 64 }}
 HOLD_REASON = "gen may keep running the job after its connection was cut"
 
 
+@pytest.mark.slow
 async def test_a_cut_job_on_a_server_that_keeps_working_is_held_until_an_admin_releases_it(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:

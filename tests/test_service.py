@@ -93,6 +93,7 @@ async def test_the_state_dir_is_created_private(tmp_path: Path) -> None:
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
 
 
+@pytest.mark.slow
 async def test_sigterm_stops_the_daemon_cleanly(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(minimal(tmp_path))
@@ -105,6 +106,7 @@ async def test_sigterm_stops_the_daemon_cleanly(tmp_path: Path) -> None:
     assert "received SIGTERM, shutting down" in daemon.log
 
 
+@pytest.mark.slow
 async def test_a_listener_that_cannot_bind_exits_non_zero_naming_it(tmp_path: Path) -> None:
     with trio.socket.socket() as taken:
         await taken.bind(("127.0.0.1", 0))
@@ -120,6 +122,7 @@ async def test_a_listener_that_cannot_bind_exits_non_zero_naming_it(tmp_path: Pa
     assert "essential task proxy:llama failed: OSError" in daemon.log
 
 
+@pytest.mark.slow
 def test_run_with_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(minimal(tmp_path).replace("[server]", "[server]\npoll_intervall_s = 1"))
@@ -135,6 +138,7 @@ def test_run_with_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "server: unknown key(s): poll_intervall_s" in result.stderr
 
 
+@pytest.mark.slow
 def test_an_unusable_state_dir_is_a_clear_start_up_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -152,6 +156,7 @@ def test_an_unusable_state_dir_is_a_clear_start_up_error(tmp_path: Path) -> None
     assert "cannot start: server.state_dir" in result.stderr
 
 
+@pytest.mark.slow
 async def test_the_embedded_default_runs_and_answers_healthz(tmp_path: Path) -> None:
     """The README's first command: `vacancyd run` with no config at all."""
     env = daemon_env({"XDG_STATE_HOME": str(tmp_path)})

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.support.configs import one_upstream_config
@@ -61,6 +62,7 @@ async def status(daemon: InProcessDaemon) -> dict[str, object]:
     return document["upstreams"]["echo"]["connections"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 async def test_a_client_that_stops_reading_is_reset_and_the_upstream_released(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -81,6 +83,7 @@ async def test_a_client_that_stops_reading_is_reset_and_the_upstream_released(
         assert await served(daemon) == 200
 
 
+@pytest.mark.slow
 async def test_a_slow_producer_is_not_cut_by_the_write_stall_timeout(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -118,6 +121,7 @@ async def test_connections_over_the_cap_get_a_fast_503_and_slots_come_back(
         assert (await status(daemon))["refused_over_limit"] >= 1
 
 
+@pytest.mark.slow
 async def test_connection_close_is_honoured_and_idle_keep_alive_is_reaped(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -151,6 +155,7 @@ async def test_a_peer_that_half_closes_is_released_at_once(
                 await daemon.state.wait_changed()
 
 
+@pytest.mark.slow
 async def test_headers_trickled_byte_by_byte_are_cut_at_the_header_deadline(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -170,6 +175,7 @@ async def test_headers_trickled_byte_by_byte_are_cut_at_the_header_deadline(
         assert await served(daemon) == 200
 
 
+@pytest.mark.slow
 async def test_a_withheld_body_gets_408(echo: EchoUpstream, tmp_path: Path) -> None:
     async with in_process_daemon(config(echo, tmp_path)) as daemon, raw(daemon) as stream:
         await stream.send_all(

@@ -116,6 +116,7 @@ async def test_a_refused_work_socket_gets_the_refusal(echo: EchoUpstream, tmp_pa
     assert b"retry-after: 300" in reply and b"lending_disabled" in reply
 
 
+@pytest.mark.slow
 async def test_tunnels_have_a_cap_and_an_idle_timeout(echo: EchoUpstream, tmp_path: Path) -> None:
     text = config(echo, tmp_path, limits="max_websockets = 1\nwebsocket_idle_timeout_s = 1.0")
     async with (

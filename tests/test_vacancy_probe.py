@@ -79,6 +79,7 @@ async def test_the_probe_flips_with_pause_and_resume(
     assert (await probe(daemon, "nobody")).status_code == 404
 
 
+@pytest.mark.slow
 async def test_the_probe_refuses_while_a_job_is_held_and_opens_when_released(
     daemon: InProcessDaemon, echo: EchoUpstream
 ) -> None:

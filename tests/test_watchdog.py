@@ -165,6 +165,7 @@ async def test_ready_status_pings_and_stopping(tmp_path: Path) -> None:
         assert stopping.fields["STOPPING"] == "1"
 
 
+@pytest.mark.slow
 async def test_a_wedged_collector_stops_the_watchdog_pings(
     tmp_path: Path, fake_nvml: FakeNvmlFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -209,6 +210,7 @@ async def test_a_wedged_collector_stops_the_watchdog_pings(
 JOURNAL_LINE = re.compile(r"^<[0-7]>vacancyd[\w.]*: \S")
 
 
+@pytest.mark.slow
 async def test_the_daemon_as_systemd_runs_it(tmp_path: Path) -> None:
     """`python -m vacancyd run` with an abstract notify socket and stderr on the "journal".
 

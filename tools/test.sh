@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh Linux machine: a virtualenv with the project and its
 # test extra, the llama-server fixture (built once, cached outside the repo), then lint,
-# types, layering and pytest. Extra arguments go to pytest.
+# types, layering and pytest under coverage, whose report ends the run; the core modules'
+# floors (tools/coverage_floor.py) are checked when the whole suite ran. Extra arguments
+# go to pytest (then no floors); VACANCYD_COVERAGE=0 runs pytest without coverage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,4 +44,22 @@ done
 echo "== ruff" && "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check .
 echo "== mypy" && "$VENV/bin/mypy"
 echo "== import contracts" && "$VENV/bin/lint-imports" --no-cache
-echo "== pytest" && "$VENV/bin/pytest" "$@"
+if [ "${VACANCYD_COVERAGE:-1}" = 0 ]; then
+  echo "== pytest" && "$VENV/bin/pytest" "$@"
+  exit
+fi
+
+# pytest under coverage (configured in pyproject.toml); the daemons the tests start as
+# subprocesses write their own data files next to this one, combined afterwards.
+export COVERAGE_FILE="$PWD/.coverage"
+"$VENV/bin/coverage" erase
+echo "== pytest (with coverage)" && "$VENV/bin/coverage" run -m pytest "$@"
+echo "== coverage (files not fully covered, least covered first)"
+"$VENV/bin/coverage" combine -q
+"$VENV/bin/coverage" report
+"$VENV/bin/coverage" json -q -o coverage.json
+if [ $# -eq 0 ]; then
+  "$PY" tools/coverage_floor.py coverage.json
+else
+  echo "coverage floors not checked: pytest ran on a selection ($*)"
+fi

@@ -30,6 +30,8 @@ import trio
 
 from vacancyd.config import Config
 from vacancyd.config.hours import compile_schedule
+from vacancyd.edges import EdgeKind
+from vacancyd.persist import StateFileProblems
 from vacancyd.schedule import Schedule, evaluate
 from vacancyd.state import HoursJudgement, SharedState
 from vacancyd.switches import SWITCHES_FILE, ResourceSwitch, Switches, SwitchesFile
@@ -110,16 +112,26 @@ class OwnerControls:
         self._wall = wall_clock
         self._rearm = trio.Event()
 
+    @property
+    def state_files(self) -> StateFileProblems:
+        """Where an untrusted switches file is reported (shown in /status)."""
+        return self._file.problems
+
     @classmethod
     def for_config(
-        cls, state: SharedState, state_dir: Path | None, wall_clock: WallClock = system_wall_clock
+        cls,
+        state: SharedState,
+        state_dir: Path | None,
+        wall_clock: WallClock = system_wall_clock,
+        *,
+        state_files: StateFileProblems | None = None,
     ) -> OwnerControls:
         config: Config = state.config
         zone, zone_name = local_zone(config.owner.timezone)
         path = None if state_dir is None else state_dir / SWITCHES_FILE
         return cls(
             state,
-            SwitchesFile(path, state.state_files),
+            SwitchesFile(path, StateFileProblems() if state_files is None else state_files),
             schedule=compile_schedule(config.owner),
             zone=zone,
             zone_name=zone_name,
@@ -264,7 +276,9 @@ class OwnerControls:
                 opens,
             )
         if closed:
-            self._state.add_edge("hours", now, f"the lending window ended at {_local(local)}")
+            self._state.add_edge(
+                EdgeKind.HOURS, now, f"the lending window ended at {_local(local)}"
+            )
 
 
 def _utc(moment: datetime) -> str:

@@ -3,6 +3,12 @@
 psutil and NVML calls block; a driver or /proc read can hang. Each probe runs on a worker
 thread under a hard deadline, and a probe that overruns is abandoned (the thread finishes
 on its own; its result is thrown away) so the next sample of anything else stays on time.
+
+Every loop that makes such calls again and again (the NVML broker, the system collector,
+the pressure collector's /proc reads, the listener watch, the owner-process scan) makes
+them through its own `CallLane`, so a read that hangs for good costs one thread, not one
+per round: trio's thread limiter is shared by every collector, and a pile of stuck threads
+would starve them all.
 """
 
 from __future__ import annotations
@@ -20,6 +26,14 @@ T = TypeVar("T")
 
 class ProbeTimeout(Exception):
     """The probe did not answer within its deadline."""
+
+
+class ProbeStuck(ProbeTimeout):
+    """No call was made: an earlier one on the same lane was abandoned and is still running.
+
+    A ProbeTimeout, because to the caller it is the same thing (no answer in time) and is
+    handled the same way: the reading is unknown, and no heartbeat is earned.
+    """
 
 
 async def run_probe(probe: Callable[[], T], deadline_s: float) -> T:
@@ -68,6 +82,18 @@ class CallLane:
             if self.idle:
                 return
             await returned.wait()
+
+    async def call_unstacked(self, probe: Callable[[], T], deadline_s: float) -> T:
+        """`call`, unless an earlier call abandoned at its deadline has still not returned:
+        then ProbeStuck at once, and no thread is started."""
+        since = self.stuck_since()
+        if since is not None:
+            await trio.lowlevel.checkpoint()
+            age = trio.current_time() - since
+            raise ProbeStuck(
+                f"an earlier probe has not returned after {age:.1f}s; not asking again yet"
+            )
+        return await self.call(probe, deadline_s)
 
     async def call(self, probe: Callable[[], T], deadline_s: float) -> T:
         """Run `probe` on a worker thread; ProbeTimeout if it overruns `deadline_s`."""

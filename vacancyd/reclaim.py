@@ -9,7 +9,8 @@ rest). Each resource's edges are its own: an edge on one GPU never touches an up
 that does not use it.
 
 The upstream's `on_owner_return` policy decides what happens to work admitted before the
-edge:
+edge (the decision itself is the pure `reclaim_plan.plan_reclaim`; this task gathers the
+facts it needs and carries out its answer):
 * cancel: its proxied requests are cut at once;
 * drain (default): they may finish until `drain_timeout_s` after the FIRST edge, then are
   cut; later edges join the same reclaim and never move its deadline;
@@ -28,7 +29,6 @@ durably in the ledger. Each reclaim publishes its phase for /status.
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 
 import attrs
@@ -38,7 +38,8 @@ import trio
 from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Ledger, Phase, Reservation
-from vacancyd.config import OnOwnerReturn, UpstreamConfig, parse_target
+from vacancyd.config import UpstreamConfig, parse_target
+from vacancyd.edges import Edge, EdgeKind, Trigger
 from vacancyd.gate import hours_refusal, owner_refusal
 from vacancyd.model import (
     MIB,
@@ -51,7 +52,14 @@ from vacancyd.model import (
     Refuse,
     ResourceKind,
 )
-from vacancyd.state import HOST_EDGE_KINDS, Edge, SharedState
+from vacancyd.reclaim_plan import (
+    ReclaimFacts,
+    ReclaimPhase,
+    ReclaimPlan,
+    answers_edge,
+    plan_reclaim,
+)
+from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +77,10 @@ CONFIRM_POLL_S = 0.1
 class ReclaimRecord:
     """What one reclaim did, for /status and the logs."""
 
-    trigger: str
+    trigger: Trigger
     edges: list[float]
     policy: str
-    phase: str = "waiting"  # waiting | stood_down | proceeding | done
+    phase: ReclaimPhase = ReclaimPhase.WAITING
     deadline: float | None = None
     cancelled_jobs: list[int] = attrs.Factory(list)
     upstream_cancel: str = ""
@@ -83,7 +91,8 @@ class ReclaimRecord:
 
 @attrs.define
 class ReclaimStatistics:
-    reclaims: Counter[tuple[str, str]] = attrs.Factory(Counter)  # (trigger, outcome)
+    # By (the trigger's kind, outcome): the metric's labels.
+    reclaims: Counter[tuple[EdgeKind, str]] = attrs.Factory(Counter)
     cancellations: int = 0
     unload_requested_s: list[float] = attrs.Factory(list)
     unload_confirmed_s: list[float] = attrs.Factory(list)
@@ -114,13 +123,12 @@ class UpstreamReclaim:
     # -- edges --------------------------------------------------------------------------
 
     def _concerns(self, edge: Edge) -> bool:
-        host_scoped = self.upstream.owner_scope is OwnerScope.HOST
-        if edge.kind in HOST_EDGE_KINDS:
-            return host_scoped
-        if edge.resource not in self._resources:
-            return False
-        # While the owner's veto stands, it has already reclaimed host-scoped work.
-        return not (host_scoped and self._state.veto.engaged)
+        return answers_edge(
+            edge.kind,
+            self.upstream.owner_scope,
+            uses_resource=edge.resource in self._resources,
+            veto_engaged=self._state.veto.engaged,
+        )
 
     async def _next_edges(self, seen: int) -> tuple[list[Edge], int]:
         while True:
@@ -147,19 +155,22 @@ class UpstreamReclaim:
         first = edges[0]
         policy = self.upstream.on_owner_return
         refusal = self._refusal_for(first)
-        record = ReclaimRecord(
-            trigger=first.kind if first.resource is None else f"pressure:{first.resource}",
-            edges=[edge.at for edge in edges],
-            policy=policy.value,
-        )
-        if policy is OnOwnerReturn.CANCEL:
-            record.deadline = first.at
-        elif policy is OnOwnerReturn.DRAIN:
-            record.deadline = first.at + self.upstream.drain_timeout_s
-        self.current = record
         affected = [
             r for r in self._ledger.entries_for(self.upstream.name) if r.started_at <= first.at
         ]
+        plan = self._plan(first, affected)
+        limit = plan.limit_at(
+            first.at,
+            drain_timeout_s=self.upstream.drain_timeout_s,
+            completion_timeout_s=self.upstream.completion_timeout_s,
+        )
+        record = ReclaimRecord(
+            trigger=first.trigger,
+            edges=[edge.at for edge in edges],
+            policy=policy.value,
+            deadline=limit if plan.cuts_at_limit else None,
+        )
+        self.current = record
         log.info(
             "reclaiming %s (%s, %s): %d job(s) admitted before the edge",
             self.upstream.name,
@@ -167,28 +178,23 @@ class UpstreamReclaim:
             policy.value,
             len(affected),
         )
-        stood_down = False
-        limit = record.deadline
-        if policy is OnOwnerReturn.FINISH:
-            limit = first.at + self.upstream.completion_timeout_s
-        with trio.move_on_at(limit if limit is not None else math.inf):
-            while self._still_running(affected):
-                if policy is not OnOwnerReturn.CANCEL and self._trigger_cleared(first):
-                    stood_down = True
-                    break
+        with trio.move_on_at(limit) as waiting:
+            while plan.phase is ReclaimPhase.WAITING:
                 await self._state.wait_changed()
                 for edge in self._state.edges_after(seen):
                     seen = edge.seq
                     if self._concerns(edge):
                         record.edges.append(edge.at)  # coalesces; the deadline stays
-        if stood_down:
-            record.phase = "stood_down"
+                plan = self._plan(first, affected)
+        if waiting.cancelled_caught:
+            plan = self._plan(first, affected, deadline_passed=True)
+        record.phase = plan.phase
+        if plan.phase is ReclaimPhase.STOOD_DOWN:
             log.info("reclaim of %s stood down: the trigger cleared", self.upstream.name)
             self._finish(record, "stood_down")
             return seen
-        record.phase = "proceeding"
         running = self._still_running(affected)
-        if running and policy is not OnOwnerReturn.FINISH:
+        if plan.cut:
             for reservation in running:
                 if self._ledger.cancel(reservation, refusal):
                     record.cancelled_jobs.append(reservation.job_id)
@@ -196,46 +202,68 @@ class UpstreamReclaim:
             # Before any checkpoint, so the cut connection cannot release it first.
             self._hold_unproven(running, record)
         async with trio.open_nursery() as nursery:
-            if policy is not OnOwnerReturn.FINISH:
+            if plan.cancel_upstream_jobs:
                 nursery.start_soon(self._cancel_upstream_jobs, affected, record)
-            if self.upstream.yield_on_veto and self.adapter.actions is not None:
+            if plan.unload:
                 nursery.start_soon(self._unload_and_confirm, record, affected)
         self._finish(record, "cancelled" if record.cancelled_jobs else "completed")
         return seen
 
-    def _refusal_for(self, edge: Edge) -> Refuse:
-        if edge.kind == "hours":
-            # What a borrower is told now, Retry-After pointing at the next window.
-            return hours_refusal(self._state.lending_hours_view()) or Refuse(
-                Reason.OUTSIDE_LENDING_HOURS,
-                RETRY_OUTSIDE_HOURS_MAX,
-                "the owner's lending hours are over",
-                internal=edge.reason,
+    def _plan(
+        self, first: Edge, affected: list[Reservation], *, deadline_passed: bool = False
+    ) -> ReclaimPlan:
+        """Gather the facts as they stand now and let the pure plan decide."""
+        running = bool(self._still_running(affected))
+        return plan_reclaim(
+            ReclaimFacts(
+                policy=self.upstream.on_owner_return,
+                trigger=first.kind,
+                owner_scope=self.upstream.owner_scope,
+                can_unload=self.upstream.yield_on_veto and self.adapter.actions is not None,
+                work_running=running,
+                # Read only while there is work to wait for: it is what the wait is about.
+                trigger_cleared=running and not deadline_passed and self._trigger_cleared(),
+                deadline_passed=deadline_passed,
             )
-        if edge.kind == "owner":
-            return Refuse(
-                Reason.OWNER_ACTIVE, RETRY_OWNER_VETO, f"the owner is back: {edge.reason}"
-            )
-        return Refuse(
-            Reason.RESOURCE_PRESSURED,
-            RETRY_RESOURCE_PRESSURED,
-            f"the owner needs {edge.resource}: {edge.reason}",
-            resource=edge.resource,
         )
+
+    def _refusal_for(self, edge: Edge) -> Refuse:
+        match edge.kind:
+            case EdgeKind.HOURS:
+                # What a borrower is told now, Retry-After pointing at the next window.
+                return hours_refusal(self._state.lending_hours_view()) or Refuse(
+                    Reason.OUTSIDE_LENDING_HOURS,
+                    RETRY_OUTSIDE_HOURS_MAX,
+                    "the owner's lending hours are over",
+                    internal=edge.reason,
+                )
+            case EdgeKind.OWNER:
+                return Refuse(
+                    Reason.OWNER_ACTIVE, RETRY_OWNER_VETO, f"the owner is back: {edge.reason}"
+                )
+            case EdgeKind.PRESSURE:
+                return Refuse(
+                    Reason.RESOURCE_PRESSURED,
+                    RETRY_RESOURCE_PRESSURED,
+                    f"the owner needs {edge.resource}: {edge.reason}",
+                    resource=edge.resource,
+                )
 
     def _still_running(self, affected: list[Reservation]) -> list[Reservation]:
         live = {id(r) for r in self._ledger.entries_for(self.upstream.name)}
         return [r for r in affected if id(r) in live and r.phase is not Phase.HELD]
 
-    def _trigger_cleared(self, edge: Edge) -> bool:
-        """Would admission's own checks let this upstream's work run again?"""
+    def _trigger_cleared(self) -> bool:
+        """Would admission's own checks let this upstream's work run again?
+
+        Whether a cleared trigger may end the reclaim (never under `cancel`, nor for a
+        host edge on a resource-scoped upstream) is the plan's to say.
+        """
         now = trio.current_time()
         if self.upstream.owner_scope is OwnerScope.HOST and (
             owner_refusal(self._state.presence_view(now)) is not None
             or hours_refusal(self._state.lending_hours_view(now)) is not None
         ):
-            return False
-        if edge.kind in HOST_EDGE_KINDS and self.upstream.owner_scope is not OwnerScope.HOST:
             return False
         for name in self._resources:
             pressure = self._state.resource_view(name, now).pressure
@@ -386,9 +414,9 @@ class UpstreamReclaim:
         )
 
     def _finish(self, record: ReclaimRecord, outcome: str) -> None:
-        if record.phase != "stood_down":
-            record.phase = "done"
-        self.statistics.reclaims[(record.trigger.split(":")[0], outcome)] += 1
+        if record.phase is not ReclaimPhase.STOOD_DOWN:
+            record.phase = ReclaimPhase.DONE
+        self.statistics.reclaims[(record.trigger.kind, outcome)] += 1
         self.last = record
         self.current = None
         self._state.notify()

@@ -1,9 +1,26 @@
-"""The daemon's root nursery: start-up order, supervision and shutdown.
+"""The daemon's supervision tree: start-up order, supervision and shutdown.
 
-Every long-lived component is essential and started with `nursery.start`, so the daemon
-only reports ready once each one says it is. If any of them returns or raises while the
-daemon is running, that is logged with the component's name and the daemon exits
-non-zero: a half-dead vacancyd answering liveness checks would be worse than none.
+The root nursery holds one branch per kind of work, each a nursery of its own opened
+with `nursery.start`:
+
+    root
+    |-- operations   debug-window, service-notifications (systemd READY / WATCHDOG)
+    |-- collectors   owner-controls, collector:nvml, collector:pressure, collector:system,
+    |                collector:listeners, presence: everything that writes SharedState
+    |-- yield        reclaim:<upstream>, one per upstream
+    |-- proxies      job-trackers, proxy:<upstream>, one listener per upstream
+    '-- api          api, the API's listener
+
+Every component is essential and is started into its branch with `nursery.start`, so the
+daemon only reports ready once each one says it is. If any of them returns or raises
+while the daemon is running, that is logged with the component's name and the daemon
+exits non-zero: the failure leaves its branch, which leaves the root, which cancels
+everything else. A half-dead vacancyd answering liveness checks would be worse than none.
+
+Shutdown runs the tree from the front: the listeners stop accepting and drain, then the
+branches are closed in the reverse of the order they were opened, so reclaim and the
+collectors (which the listeners' requests read) are still there while the last responses
+finish.
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
+import attrs
 import trio
 
 from vacancyd.adapters import adapter_for
@@ -22,7 +40,7 @@ from vacancyd.api.app import create_api_app
 from vacancyd.api.status import status_document
 from vacancyd.auth import Authenticator, read_token_file
 from vacancyd.collect.calibration_store import CalibrationStore
-from vacancyd.collect.listeners import SCAN_EVERY_S, run_listener_watch
+from vacancyd.collect.listeners import SCAN_EVERY_S, ListenerWatch
 from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure import PressureCollector
 from vacancyd.collect.system import run_system_collector
@@ -33,12 +51,14 @@ from vacancyd.errors import StartupError
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.model import ResourceKind
 from vacancyd.operations import Operations
-from vacancyd.persist import ensure_private_dir
+from vacancyd.persist import StateFileProblems, ensure_private_dir
 from vacancyd.presence.backends import choose_backend
 from vacancyd.presence.loop import run_presence
 from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
 from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_request
+from vacancyd.published import BoundListeners, PresenceSource, Published
+from vacancyd.reachability import Reachability
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard, serve_app
 from vacancyd.state import SharedState
@@ -48,29 +68,69 @@ log = logging.getLogger(__name__)
 Component = Callable[..., Awaitable[Any]]
 
 
+@attrs.frozen
+class RunningDaemon:
+    """What run_daemon reports once ready: the readings and what its parts publish."""
+
+    state: SharedState
+    published: Published
+
+
+# The branches of the supervision tree, in the order they are opened. Shutdown closes them
+# in reverse: the listeners' branches first, the collectors (which every request and every
+# reclaim reads) and the operator's side last.
+BRANCHES = ("operations", "collectors", "yield", "proxies", "api")
+
+
 class EssentialTaskFailed(Exception):
     """An essential component returned or raised while the daemon was running."""
 
-    def __init__(self, name: str, why: str) -> None:
+    def __init__(self, name: str, why: str, *, branch: str = "") -> None:
         super().__init__(f"essential task {name!r} {why}")
         self.name = name
+        self.branch = branch
 
 
 class Supervisor:
-    """Runs essential components; any of them ending early takes the daemon down."""
+    """The root of the supervision tree: named branches of essential components.
 
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+    Any component ending early takes the daemon down. `running` is the set of component
+    names alive right now, across every branch: the systemd watchdog's health check
+    reads it.
+    """
+
+    def __init__(self, root: trio.Nursery) -> None:
+        self._root = root
         self.stopping = False
         self.running: set[str] = set()
         self._ended = trio.Event()
+        self._branches: list[Branch] = []
 
-    async def start(self, name: str, component: Component) -> Any:
-        return await self._nursery.start(self._run, name, component)
+    async def open_branch(self, name: str) -> Branch:
+        """Open a named branch: a nursery of its own under the root."""
+        branch: Branch = await self._root.start(self._hold_branch, name)
+        self._branches.append(branch)
+        return branch
 
-    async def _run(
-        self, name: str, component: Component, *, task_status: trio.TaskStatus[Any]
+    async def _hold_branch(self, name: str, *, task_status: trio.TaskStatus[Branch]) -> None:
+        branch = Branch(self, name)
+        try:
+            async with trio.open_nursery() as nursery:
+                branch.nursery = nursery
+                task_status.started(branch)
+                await trio.sleep_forever()
+        finally:
+            branch.closed.set()
+
+    async def run_component(
+        self,
+        branch: str,
+        name: str,
+        component: Component,
+        *,
+        task_status: trio.TaskStatus[Any],
     ) -> None:
+        """Run one component in its branch; its end, unless the daemon is stopping, is fatal."""
         self.running.add(name)
         try:
             await component(task_status=task_status)
@@ -79,19 +139,54 @@ class Supervisor:
                 raise
             why = describe_failure(exc)
             log.critical("essential task %s failed: %s", name, why)
-            raise EssentialTaskFailed(name, f"failed: {why}") from exc
+            raise EssentialTaskFailed(name, f"failed: {why}", branch=branch) from exc
         finally:
             self.running.discard(name)
             self._ended.set()
             self._ended = trio.Event()
         if not self.stopping:
             log.critical("essential task %s exited unexpectedly", name)
-            raise EssentialTaskFailed(name, "exited unexpectedly")
+            raise EssentialTaskFailed(name, "exited unexpectedly", branch=branch)
 
     async def wait_ended(self, names: set[str]) -> None:
         """Return once none of `names` is still running."""
         while self.running & names:
             await self._ended.wait()
+
+    async def shut_down(self, listeners: set[str], *, drain_s: float) -> None:
+        """Take the tree down from the front, once `stop` has told the listeners to stop.
+
+        The listeners stopped accepting when `stop` was set (it is their shutdown trigger)
+        and finish the responses in flight on their own; they get `drain_s` for that.
+        Then every branch is cancelled, in the reverse of the order it was opened, each
+        one gone before the next is touched: whatever is left of the listeners and the job
+        trackers, then reclaim, then the collectors, then the operator's side.
+        """
+        self.stopping = True
+        with trio.move_on_after(drain_s):
+            await self.wait_ended(listeners)
+        for branch in reversed(self._branches):
+            await branch.close()
+
+
+class Branch:
+    """One named nursery of the supervision tree (see the module docstring)."""
+
+    nursery: trio.Nursery
+
+    def __init__(self, supervisor: Supervisor, name: str) -> None:
+        self._supervisor = supervisor
+        self.name = name
+        self.closed = trio.Event()
+
+    async def start(self, name: str, component: Component) -> Any:
+        """Start an essential component here; returns what it reported when it started."""
+        return await self.nursery.start(self._supervisor.run_component, self.name, name, component)
+
+    async def close(self) -> None:
+        """Cancel what is left in this branch and wait until it has all ended."""
+        self.nursery.cancel_scope.cancel()
+        await self.closed.wait()
 
 
 def _only_cancellation(exc: BaseException) -> bool:
@@ -131,13 +226,18 @@ async def run_daemon(
     handle_signals: bool = True,
     stop: trio.Event | None = None,
     environ: Mapping[str, str] | None = None,
-    task_status: trio.TaskStatus[SharedState] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[RunningDaemon] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run vacancyd until `stop` is set (or SIGTERM/SIGINT), then shut down gracefully.
 
     Shutdown is bounded: listeners get `shutdown_grace_s` to finish in-flight responses,
-    after which everything left is cancelled. systemd's variables ($NOTIFY_SOCKET,
-    $WATCHDOG_USEC) are read from `environ`, the process environment by default.
+    after which everything left is cancelled, branch by branch. systemd's variables
+    ($NOTIFY_SOCKET, $WATCHDOG_USEC) are read from `environ`, the process environment by
+    default.
+
+    `extra_components` are started after presence, in the collectors branch, or in the
+    branch a name such as "yield/reclaim:probe" gives before its slash: tests put
+    components that fail, or that watch the shutdown, into any branch of the real tree.
     """
     stop = stop if stop is not None else trio.Event()
     state_dir = resolve_state_dir(config)
@@ -146,10 +246,12 @@ async def run_daemon(
     except OSError as exc:
         raise StartupError(f"server.state_dir {state_dir}: {exc.strerror or exc}") from exc
     state = SharedState(config)
+    # Untrusted state files, reported by each part that reads one, shown in /status.
+    state_files = StateFileProblems()
     # The owner's saved switches, before anything can be lent: a pause survives a restart.
-    controls = OwnerControls.for_config(state, state_dir)
+    controls = OwnerControls.for_config(state, state_dir, state_files=state_files)
     controls.restore()
-    ledger = Ledger(state, holds_path=state_dir / "holds.json")
+    ledger = Ledger(state, holds_path=state_dir / "holds.json", state_files=state_files)
     restored = ledger.restore_holds(set(state.resources))
     if restored:
         log.warning("%d durable hold(s) restored: those resources refuse until released", restored)
@@ -165,9 +267,14 @@ async def run_daemon(
         supervisor = Supervisor(root)
         if handle_signals:
             await root.start(_watch_signals, stop)
-        await supervisor.start("debug-window", ops.debug.run)
+        # The branches open before any component starts, so components start one at a
+        # time in the order below, whichever branch each one lives in.
+        tree = {name: await supervisor.open_branch(name) for name in BRANCHES}
+        operations, collectors, yielding = tree["operations"], tree["collectors"], tree["yield"]
+        proxies, api_branch = tree["proxies"], tree["api"]
+        await operations.start("debug-window", ops.debug.run)
         # Snooze and lending hours are judged before any listener admits work.
-        await supervisor.start("owner-controls", controls.run)
+        await collectors.start("owner-controls", controls.run)
 
         memory_and_cpu = [r for r in config.resource if r.kind is not ResourceKind.NVIDIA_GPU]
         gpus = [r for r in config.resource if r.kind is ResourceKind.NVIDIA_GPU]
@@ -182,14 +289,14 @@ async def run_daemon(
                     "collector:nvml", every_s=poll, round_within_s=3 * deadline
                 ),
             )
-            await supervisor.start("collector:nvml", nvml.run)
+            await collectors.start("collector:nvml", nvml.run)
             pressure = PressureCollector(
                 state,
                 gpus,
                 {u.name: parse_target(u.target) for u in config.upstream},
                 nvml,
                 lambda: {entry.upstream for entry in ledger.statistics().entries},
-                CalibrationStore(state_dir, state.state_files),
+                CalibrationStore(state_dir, state_files),
                 deadline_s=config.server.probe_deadline_s,
             )
             pressure.heartbeat = ops.heartbeat(
@@ -197,8 +304,8 @@ async def run_daemon(
                 every_s=pressure.poll_s,
                 round_within_s=pressure.round_within_s,
             )
-            await supervisor.start("collector:pressure", pressure.run)
-        await supervisor.start(
+            await collectors.start("collector:pressure", pressure.run)
+        await collectors.start(
             "collector:system",
             partial(
                 run_system_collector,
@@ -209,19 +316,25 @@ async def run_daemon(
             ),
         )
         backend = choose_backend(config.owner)
-        await supervisor.start(
-            "collector:listeners",
-            partial(
-                run_listener_watch,
-                state,
-                {u.name: parse_target(u.target) for u in config.upstream},
-                deadline_s=config.server.probe_deadline_s,
-                heartbeat=ops.heartbeat(
-                    "collector:listeners", every_s=SCAN_EVERY_S, round_within_s=deadline
-                ),
+        listener_watch = ListenerWatch(
+            {u.name: parse_target(u.target) for u in config.upstream},
+            deadline_s=config.server.probe_deadline_s,
+            heartbeat=ops.heartbeat(
+                "collector:listeners", every_s=SCAN_EVERY_S, round_within_s=deadline
             ),
         )
-        await supervisor.start(
+        await collectors.start("collector:listeners", listener_watch.run)
+        bound = BoundListeners()
+        published = Published(
+            listeners=bound,
+            reachability=Reachability(),
+            state_files=state_files,
+            presence=PresenceSource(backend.name, backend.scope_note),
+            collector_notes=nvml.broker.notes if nvml is not None else dict,
+            unseen_gpu_work=(lambda: pressure.unseen_gpu_work) if gpus else frozenset,
+            listener_states=listener_watch.states,
+        )
+        await collectors.start(
             "presence",
             partial(
                 run_presence,
@@ -231,15 +344,16 @@ async def run_daemon(
                 heartbeat=ops.heartbeat("presence", every_s=poll, round_within_s=deadline),
             ),
         )
-        for name, component in (extra_components or {}).items():
-            await supervisor.start(name, component)
+        for key, component in (extra_components or {}).items():
+            branch, _, name = key.rpartition("/")
+            await tree[branch or "collectors"].start(name, component)
 
-        background: trio.Nursery = await supervisor.start("job-trackers", _background_nursery)
+        background: trio.Nursery = await proxies.start("job-trackers", _background_nursery)
         reclaims: dict[str, UpstreamReclaim] = {}
         can_unload: dict[str, bool] = {}
         guards: dict[str, ListenerGuard] = {}
         # Learned and estimated footprints, shared by every proxy (read once, here).
-        footprints = FootprintBook(state_dir, state.state_files)
+        footprints = FootprintBook(state_dir, state_files)
         for index, upstream in enumerate(config.upstream):
             adapter = adapter_for(upstream.adapter.value)
             can_unload[upstream.name] = adapter.actions is not None and upstream.yield_on_veto
@@ -262,13 +376,13 @@ async def run_daemon(
                 credential,
                 state_dir,
                 footprints,
-                reachability=state.reachability,
+                reachability=published.reachability,
             )
             app.background = background
             reclaims[upstream.name] = UpstreamReclaim(
                 upstream, adapter, state, ledger, client, credential
             )
-            await supervisor.start(f"reclaim:{upstream.name}", reclaims[upstream.name].run)
+            await yielding.start(f"reclaim:{upstream.name}", reclaims[upstream.name].run)
             tunnels = WebSocketTunnels(
                 upstream,
                 adapter,
@@ -277,26 +391,30 @@ async def run_daemon(
                 auth,
                 limits,
                 credential,
-                reachability=state.reachability,
+                reachability=published.reachability,
             )
             guards[upstream.name] = ListenerGuard(
                 limits, takeover=tunnels.take_over, wants_takeover=is_websocket_request
             )
-            state.listeners[upstream.name] = await supervisor.start(
-                f"proxy:{upstream.name}",
-                partial(
-                    serve_app,
-                    app,
-                    parse_listen(upstream.listen),
-                    limits,
-                    grace_s=grace,
-                    shutdown_trigger=stop.wait,
-                    guard=guards[upstream.name],
+            bound.record(
+                upstream.name,
+                await proxies.start(
+                    f"proxy:{upstream.name}",
+                    partial(
+                        serve_app,
+                        app,
+                        parse_listen(upstream.listen),
+                        limits,
+                        grace_s=grace,
+                        shutdown_trigger=stop.wait,
+                        guard=guards[upstream.name],
+                    ),
                 ),
             )
         guards["api"] = ListenerGuard(limits)
         api = create_api_app(
             state,
+            published,
             ledger,
             decisions,
             auth,
@@ -308,45 +426,56 @@ async def run_daemon(
             footprints=footprints,
             controls=controls,
         )
-        state.listeners["api"] = await supervisor.start(
+        bound.record(
             "api",
-            partial(
-                serve_app,
-                api,
-                parse_listen(config.server.api_listen),
-                limits,
-                grace_s=grace,
-                shutdown_trigger=stop.wait,
-                date_header=True,
-                guard=guards["api"],
+            await api_branch.start(
+                "api",
+                partial(
+                    serve_app,
+                    api,
+                    parse_listen(config.server.api_listen),
+                    limits,
+                    grace_s=grace,
+                    shutdown_trigger=stop.wait,
+                    date_header=True,
+                    guard=guards["api"],
+                ),
             ),
         )
-        state.all_listeners_bound = True
+        bound.mark_complete()
         listener_names = ["api", *(f"proxy:{u.name}" for u in config.upstream)]
+        addresses = bound.view()
         log.info(
             "vacancyd ready: api on %s; %s",
-            ", ".join(state.listeners["api"]),
+            ", ".join(addresses.addresses("api")),
             "; ".join(
-                f"{u.name} on {', '.join(state.listeners[u.name])} -> {u.target}"
+                f"{u.name} on {', '.join(addresses.addresses(u.name))} -> {u.target}"
                 for u in config.upstream
             ),
         )
-        await supervisor.start(
+        await operations.start(
             "service-notifications",
             partial(
                 ops.serve_notifications,
                 supervisor.running,
-                partial(status_document, state, ledger, decisions, can_unload, guards, reclaims),
+                partial(
+                    status_document,
+                    state,
+                    published,
+                    ledger,
+                    decisions,
+                    can_unload,
+                    guards,
+                    reclaims,
+                ),
                 stop,
             ),
         )
-        task_status.started(state)
+        task_status.started(RunningDaemon(state, published))
 
         await stop.wait()
-        supervisor.stopping = True
         # Listeners drain on their own (hypercorn's graceful timeout); give them a bounded
-        # moment, then cancel whatever is left, collectors included.
-        with trio.move_on_after(grace + 1.0):
-            await supervisor.wait_ended(set(listener_names))
-        root.cancel_scope.cancel()
+        # moment, then cancel the tree from the listeners back to the collectors.
+        await supervisor.shut_down(set(listener_names), drain_s=grace + 1.0)
+        root.cancel_scope.cancel()  # the signal watcher
     log.info("vacancyd stopped")

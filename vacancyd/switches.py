@@ -128,6 +128,10 @@ class SwitchesFile:
         # Set when the file could not be trusted at start: it is moved aside on next save.
         self.untrusted = False
 
+    @property
+    def problems(self) -> StateFileProblems:
+        return self._problems
+
     def load(self) -> Switches | None:
         """The saved switches, None when there are none, FAIL_CLOSED when untrusted."""
         if self.path is None:

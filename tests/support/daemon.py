@@ -22,7 +22,8 @@ import httpx
 import trio
 
 from vacancyd.config import parse_config
-from vacancyd.service import run_daemon
+from vacancyd.published import Published
+from vacancyd.service import RunningDaemon, run_daemon
 from vacancyd.state import SharedState
 
 READY_LINE = re.compile(r"vacancyd ready: api on (http://\S+?)[;,\s]")
@@ -30,15 +31,23 @@ READY_LINE = re.compile(r"vacancyd ready: api on (http://\S+?)[;,\s]")
 
 @attrs.define
 class InProcessDaemon:
-    state: SharedState
+    running: RunningDaemon
     stop: trio.Event
 
     @property
+    def state(self) -> SharedState:
+        return self.running.state
+
+    @property
+    def published(self) -> Published:
+        return self.running.published
+
+    @property
     def api(self) -> str:
-        return self.state.listeners["api"][0]
+        return self.published.listeners.view().addresses("api")[0]
 
     def proxy(self, upstream: str) -> str:
-        return self.state.listeners[upstream][0]
+        return self.published.listeners.view().addresses(upstream)[0]
 
 
 @asynccontextmanager
@@ -49,10 +58,10 @@ async def in_process_daemon(
     config = parse_config(config_text, source="<test>")
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        state = await nursery.start(
+        running = await nursery.start(
             partial(run_daemon, config, handle_signals=False, stop=stop, environ=environ or {})
         )
-        yield InProcessDaemon(state, stop)
+        yield InProcessDaemon(running, stop)
         stop.set()
 
 

@@ -35,13 +35,14 @@ A queue that cannot be read (an error, a body that is not the documented shape) 
 stop the unload: a failed read unloads as before, and the report says so. A queue larger
 than READ_LIMIT_BYTES is read up to the limit and the rows complete within it are checked,
 so foreign work near the front still protects; what lies beyond is unknown and noted.
+
+The reading itself (the queue, /system_stats, where one prompt is) is comfyui_reads.py;
+this module decides from what was read, and sends the requests that change the server.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import urllib.parse
 from typing import Any
 
 import attrs
@@ -50,12 +51,19 @@ from vacancyd.adapters.actions import (
     READ_LIMIT_BYTES,
     CancelReport,
     JobState,
-    ReplyTooLarge,
     UnloadReport,
     UpstreamCallError,
     UpstreamContext,
     call,
     within_deadline,
+)
+from vacancyd.adapters.comfyui_reads import (
+    QueueView,
+    SystemStats,
+    read_job_state,
+    read_queue,
+    read_system_stats,
+    segment,
 )
 
 ALL_MODELS = "all models"
@@ -65,161 +73,8 @@ STALE_RUNNING_BELOW_BYTES = 1024**3
 RECENT_CHECKS = 8
 # POST /interrupt honours a prompt_id from this release on (commit 464ba1d6).
 TARGETED_INTERRUPT_SINCE = (0, 3, 57)
-# Device types whose torch figures describe system RAM, not a GPU's memory.
-_NOT_VRAM = frozenset({"cpu", "mps"})
 _PASSES = 3
 _MIB = 1024 * 1024
-
-
-# -- reading the server ---------------------------------------------------------------------
-
-
-@attrs.frozen
-class QueueView:
-    """Prompt ids by place. `complete` is False when only the start of a long queue was read."""
-
-    running: tuple[str, ...]
-    pending: tuple[str, ...]
-    complete: bool = True
-
-
-async def read_queue(ctx: UpstreamContext) -> QueueView:
-    try:
-        reply = await call(ctx, "GET", "/queue")
-    except ReplyTooLarge as exc:
-        return scan_queue_prefix(exc.prefix)
-    return parse_queue(reply.expect_ok().json())
-
-
-def parse_queue(document: Any) -> QueueView:
-    """The whole /queue document; anything but the documented shape is an error."""
-    if not isinstance(document, dict):
-        raise UpstreamCallError("GET /queue did not answer a JSON object")
-    places: dict[str, tuple[str, ...]] = {}
-    for key in ("queue_running", "queue_pending"):
-        rows = document.get(key)
-        if not isinstance(rows, list):
-            raise UpstreamCallError(f'GET /queue: "{key}" is not a list')
-        places[key] = tuple(_row_id(row) for row in rows)
-    return QueueView(places["queue_running"], places["queue_pending"])
-
-
-def _row_id(row: Any) -> str:
-    if isinstance(row, list) and len(row) >= 2 and isinstance(row[1], str):
-        return row[1]
-    raise UpstreamCallError("GET /queue: a row is not [number, prompt_id, ...]")
-
-
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-
-
-def scan_queue_prefix(prefix: bytes) -> QueueView:
-    """The rows that are complete within the first READ_LIMIT_BYTES of a longer /queue.
-
-    The document is walked value by value; each row is decoded whole, and the walk ends at
-    the first thing it cannot decode (normally the row the limit cut through). ComfyUI
-    writes queue_running before queue_pending, so the running row is always among those read.
-    """
-    text = prefix.decode("utf-8", errors="replace")
-    decoder = json.JSONDecoder()
-    found: dict[str, list[str]] = {"queue_running": [], "queue_pending": []}
-
-    def skip(pos: int, expected: str = "") -> int:
-        """Past any whitespace, then past `expected` and the whitespace after it."""
-        pos = _past_whitespace(text, pos)
-        if expected:
-            if not text.startswith(expected, pos):
-                raise ValueError(f"expected {expected!r} at {pos}")
-            pos = _past_whitespace(text, pos + 1)
-        return pos
-
-    try:
-        pos = skip(0, "{")
-        while not text.startswith("}", pos):
-            key, pos = decoder.raw_decode(text, pos)
-            if not isinstance(key, str):
-                raise UpstreamCallError("GET /queue: an object key that is not a string")
-            pos = skip(pos, ":")
-            if key in found:
-                pos = skip(pos, "[")
-                while not text.startswith("]", pos):
-                    row, pos = decoder.raw_decode(text, pos)
-                    found[key].append(_row_id(row))
-                    pos = skip(pos)
-                    if not text.startswith("]", pos):
-                        pos = skip(pos, ",")
-                pos = skip(pos, "]")
-            else:
-                _, pos = decoder.raw_decode(text, pos)
-            pos = skip(pos)
-            if not text.startswith("}", pos):
-                pos = skip(pos, ",")
-    except (ValueError, UpstreamCallError):
-        pass  # the end of what could be read
-    return QueueView(tuple(found["queue_running"]), tuple(found["queue_pending"]), complete=False)
-
-
-def _past_whitespace(text: str, pos: int) -> int:
-    match = _WHITESPACE.match(text, pos)
-    return match.end() if match else pos
-
-
-@attrs.frozen
-class SystemStats:
-    """What /system_stats says about ComfyUI's own memory and its version."""
-
-    reserved_bytes: int | None  # torch_vram_total over GPU devices: what /free can give back
-    active_bytes: int | None  # torch_vram_total - torch_vram_free: in use right now
-    version: tuple[int, ...] | None
-
-
-def parse_system_stats(document: Any) -> SystemStats:
-    if not isinstance(document, dict):
-        raise UpstreamCallError("GET /system_stats did not answer a JSON object")
-    system = document.get("system")
-    version = _version(system.get("comfyui_version")) if isinstance(system, dict) else None
-    devices = document.get("devices")
-    reserved = active = 0
-    counted = False
-    for device in devices if isinstance(devices, list) else []:
-        if not isinstance(device, dict) or device.get("type") in _NOT_VRAM:
-            continue
-        total, free = _size(device.get("torch_vram_total")), _size(device.get("torch_vram_free"))
-        if total is None or free is None:
-            continue
-        reserved += total
-        active += max(0, total - free)
-        counted = True
-    return SystemStats(reserved if counted else None, active if counted else None, version)
-
-
-def _size(value: Any) -> int | None:
-    """A byte count as ComfyUI writes it; anything else (a bool, a negative) is no figure."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
-
-
-def _version(text: Any) -> tuple[int, ...] | None:
-    """ "0.3.66" -> (0, 3, 66); a suffix on a part ("57rc1") keeps its leading digits."""
-    if not isinstance(text, str):
-        return None
-    parts: list[int] = []
-    for part in text.strip().lstrip("v").split(".")[:3]:
-        digits = re.match(r"\d+", part)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-    return tuple(parts) if parts else None
-
-
-async def read_system_stats(ctx: UpstreamContext) -> SystemStats:
-    return parse_system_stats((await call(ctx, "GET", "/system_stats")).expect_ok().json())
-
-
-def _segment(text: str) -> str:
-    """An id as one path segment, whatever it contains."""
-    return urllib.parse.quote(text, safe="")
 
 
 def _mib(size: int) -> str:
@@ -276,7 +131,7 @@ async def _unload(
         # in ComfyUI's allocator too: that memory cannot vouch for a foreign row either.
         listed = set(queue.running) | set(queue.pending)
         for job_id in sorted(ours - listed)[:RECENT_CHECKS]:
-            if await _job_state(ctx, job_id) == "done":
+            if await read_job_state(ctx, job_id) == "done":
                 ours_running = True
                 break
     if foreign is not None:
@@ -410,7 +265,7 @@ async def _stop_running(ctx: UpstreamContext, prompt_id: str, progress: _CancelP
     """Stop one borrowed running prompt by the narrowest request the server supports."""
     if progress.jobs_api is not False:
         try:
-            reply = await call(ctx, "POST", f"/api/jobs/{_segment(prompt_id)}/cancel")
+            reply = await call(ctx, "POST", f"/api/jobs/{segment(prompt_id)}/cancel")
         except UpstreamCallError as exc:
             progress.errors.append(str(exc))
             return
@@ -475,29 +330,6 @@ def _json_or_none(body: bytes) -> Any:
         return None
 
 
-# -- job state ------------------------------------------------------------------------------
-
-
-async def _job_state(ctx: UpstreamContext, job_id: str) -> JobState:
-    try:
-        queue = await read_queue(ctx)
-    except UpstreamCallError:
-        pass  # history may still know it
-    else:
-        if job_id in queue.running:
-            return "running"
-        if job_id in queue.pending:
-            return "pending"
-    try:
-        entry = (await call(ctx, "GET", f"/history/{_segment(job_id)}")).expect_ok().json()
-    except UpstreamCallError:
-        return "unknown"
-    # /history/<id> is {} until the prompt has finished, and for an id it never saw.
-    if isinstance(entry, dict) and isinstance(entry.get(job_id), dict):
-        return "done"
-    return "unknown"
-
-
 @attrs.frozen
 class ComfyUIActions:
     """Cancel borrowed prompts by id; /free unless foreign work is queued."""
@@ -524,4 +356,4 @@ class ComfyUIActions:
         def unknown(_: str) -> JobState:
             return "unknown"
 
-        return await within_deadline(ctx, lambda: _job_state(ctx, job_id), unknown)
+        return await within_deadline(ctx, lambda: read_job_state(ctx, job_id), unknown)

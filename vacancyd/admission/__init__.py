@@ -2,6 +2,7 @@
 
 * gatekeeper.py: `Admission`, the one step from a request to a reservation or a refusal.
 * ledger.py: who uses each resource; one load at a time, parallel resident requests.
+* reservation.py: what an admitted job is (`Reservation`, `Share`, `RelayHandle`).
 * phases.py: a reservation's lifecycle as a transition table.
 * holds.py: durable holds on disk, failing closed.
 """
@@ -14,14 +15,9 @@ from vacancyd.admission.gatekeeper import (
     need_for,
 )
 from vacancyd.admission.holds import HOLDS_KIND
-from vacancyd.admission.ledger import (
-    Ledger,
-    LedgerStatistics,
-    RelayHandle,
-    Reservation,
-    Share,
-)
+from vacancyd.admission.ledger import Ledger, LedgerStatistics
 from vacancyd.admission.phases import HOLDING, Event, Phase
+from vacancyd.admission.reservation import RelayHandle, Reservation, Share
 
 __all__ = [
     "HOLDING",

@@ -22,7 +22,8 @@ import attrs
 import trio
 
 from vacancyd.accounting import ANONYMOUS
-from vacancyd.admission.ledger import Ledger, RelayHandle, Reservation, Share
+from vacancyd.admission.ledger import Ledger
+from vacancyd.admission.reservation import RelayHandle, Reservation, Share
 from vacancyd.config import ResourceConfig, UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.gate import charged_mib, decide

@@ -22,7 +22,8 @@ using it?". Its rules:
 
 Every check and its reservation happen with no checkpoint in between, so under trio's
 cooperative scheduling they are atomic without a lock. Each reservation's phase changes
-only through `_apply`, by the table in phases.py.
+only through `_apply`, by the table in phases.py. What a reservation is, and the other
+types the ledger's users share, is reservation.py.
 """
 
 from __future__ import annotations
@@ -32,76 +33,25 @@ import logging
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
 
 import attrs
 import trio
 
 from vacancyd.accounting import ANONYMOUS, UNKNOWN, BorrowerAccounting
 from vacancyd.admission.holds import (
-    RESTORED_NOTE,
     HoldsFile,
     unreadable_refusal,
     without_restored_notes,
 )
 from vacancyd.admission.phases import HOLDING, Event, Phase, next_phase
+from vacancyd.admission.reservation import RelayHandle, Reservation, Share
 from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, Quality, Reason, Refuse
-from vacancyd.persist import StateFileProblem
+from vacancyd.persist import StateFileProblem, StateFileProblems
 from vacancyd.state import SharedState
 
 log = logging.getLogger("vacancyd.admission")
 
 _job_ids = itertools.count(1)
-
-
-class RelayHandle(Protocol):
-    """How reclaim stops a proxied request: the proxy registers one per admitted job."""
-
-    def cancel(self, refusal: Refuse) -> None: ...
-
-
-@attrs.frozen
-class Share:
-    """A request that reuses a model its upstream proved resident: it may run beside other
-    requests to the same upstream and model, up to `slots` at once."""
-
-    model: str | None
-    slots: int
-
-
-@attrs.define(eq=False)
-class Reservation:
-    """One admitted borrowed job and the resources it holds (see phases.py)."""
-
-    job_id: int
-    upstream: str
-    resources: tuple[str, ...]
-    model: str | None
-    started_at: float
-    # Who asked: the name of the borrower's token, or "local" / "anonymous" (accounting.py).
-    borrower: str = ANONYMOUS
-    phase: Phase = Phase.FORWARDING
-    # The upstream's own ids for this job (e.g. a ComfyUI prompt id vacancyd assigned).
-    job_ids: tuple[str, ...] = ()
-    hold_reason: str = ""
-    held_since: str = ""
-    # Restored from the holds file at start rather than made in this run.
-    restored: bool = False
-    # Admitted on residency credit: it loads nothing and may share its resources.
-    shared: bool = False
-    # What it was charged on each budgeted resource, in MiB.
-    charged_mib: dict[str, int] = attrs.Factory(dict)
-    # Free MiB of each GPU it holds, as last read before it was admitted (a load's
-    # footprint is measured against it once the job is over).
-    free_before_mib: dict[str, int] = attrs.Factory(dict)
-    released_at: float | None = None
-    # When the upstream had sent its whole answer (see `Ledger.answered`).
-    answered_at: float | None = None
-
-    @property
-    def hold_detail(self) -> str:
-        """The reason for a person: says when the hold came from an earlier run."""
-        return self.hold_reason + (RESTORED_NOTE if self.restored else "")
 
 
 @attrs.frozen
@@ -117,8 +67,16 @@ class LedgerStatistics:
 
 
 class Ledger:
-    def __init__(self, state: SharedState, holds_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        state: SharedState,
+        holds_path: Path | None = None,
+        *,
+        state_files: StateFileProblems | None = None,
+    ) -> None:
         self._state = state
+        # Where an untrusted holds file is reported; the service shares one across its parts.
+        self.state_files = StateFileProblems() if state_files is None else state_files
         self._jobs: dict[str, list[Reservation]] = {}
         self._relays: dict[int, RelayHandle] = {}
         self._holds = HoldsFile(holds_path)
@@ -369,7 +327,7 @@ class Ledger:
         """
         entries = self._holds.load(known_resources)
         if self._holds.unreadable is not None:
-            self._state.state_files.report(self._holds.unreadable)
+            self.state_files.report(self._holds.unreadable)
             self._state.notify()
             return 0
         for entry in entries:
@@ -432,7 +390,7 @@ class Ledger:
         if cleared is None:
             return None
         problem, moved = cleared
-        self._state.state_files.resolve(problem.path)
+        self.state_files.resolve(problem.path)
         self._save_holds()
         self._state.notify()
         return moved

@@ -25,6 +25,7 @@ from vacancyd.config import Scope
 from vacancyd.controls import OwnerControls
 from vacancyd.decisions import DecisionLog
 from vacancyd.footprint.book import FootprintBook
+from vacancyd.published import Published
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
@@ -83,6 +84,7 @@ def _not_saved(why: str) -> Response:
 
 def create_api_app(
     state: SharedState,
+    published: Published,
     ledger: Ledger,
     decisions: DecisionLog,
     auth: Authenticator,
@@ -96,10 +98,10 @@ def create_api_app(
 ) -> QuartTrio:
     app = QuartTrio("vacancyd.api")
     # The owner's switches are saved and restored through this (no file without one).
-    controls = controls or OwnerControls.for_config(state, None)
+    controls = controls or OwnerControls.for_config(state, None, state_files=published.state_files)
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
     app.config["RESPONSE_TIMEOUT"] = None
-    registry = open_registry(VacancydCollector(state, ledger, decisions, auth, reclaims))
+    registry = open_registry(VacancydCollector(state, published, ledger, decisions, auth, reclaims))
 
     def denied(scope: Scope) -> Response | None:
         client = request.scope.get("client")
@@ -119,12 +121,13 @@ def create_api_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        ready = is_ready(state)
+        ready = is_ready(state, published)
         return _json({"ready": ready}, 200 if ready else 503)
 
     def status_now() -> dict[str, Any]:
         return status_document(
             state,
+            published,
             ledger,
             decisions,
             can_unload,

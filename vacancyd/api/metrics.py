@@ -20,6 +20,7 @@ from vacancyd.api.usage import borrower_metrics, reachability_metrics
 from vacancyd.auth import Authenticator
 from vacancyd.decisions import DecisionLog
 from vacancyd.model import MIB, PressureQuality, Quality, Reason
+from vacancyd.published import Published
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.state import SharedState
 
@@ -30,12 +31,14 @@ class VacancydCollector(Collector):
     def __init__(
         self,
         state: SharedState,
+        published: Published,
         ledger: Ledger,
         decisions: DecisionLog,
         auth: Authenticator,
         reclaims: dict[str, UpstreamReclaim] | None = None,
     ) -> None:
         self._state = state
+        self._published = published
         self._ledger = ledger
         self._decisions = decisions
         self._auth = auth
@@ -44,7 +47,11 @@ class VacancydCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self._state
         now = trio.current_time()
-        yield _gauge("vacancyd_ready", "1 when /readyz would answer 200", [((), is_ready(state))])
+        yield _gauge(
+            "vacancyd_ready",
+            "1 when /readyz would answer 200",
+            [((), is_ready(state, self._published))],
+        )
         yield _gauge(
             "vacancyd_lending_enabled", "Global lending switch", [((), state.lending_enabled)]
         )
@@ -54,12 +61,12 @@ class VacancydCollector(Collector):
         yield from self._reclaim_families()
         yield self._state_files()
         yield from borrower_metrics(self._ledger.accounting, now)
-        yield from reachability_metrics(state.reachability, self._decisions.upstreams())
+        yield from reachability_metrics(self._published.reachability, self._decisions.upstreams())
 
     def _state_files(self) -> Metric:
         """Untrusted state files by kind: an alert on `holds` means nothing is lent."""
         counts = {"holds": 0, "calibration": 0}
-        for problem in self._state.state_files.problems:
+        for problem in self._published.state_files.problems:
             counts[problem.kind] = counts.get(problem.kind, 0) + 1
         return _gauge(
             "vacancyd_state_file_problems",
@@ -209,7 +216,7 @@ class VacancydCollector(Collector):
         for name, reclaim in sorted(self._reclaims.items()):
             statistics = reclaim.statistics
             for (trigger, outcome), count in sorted(statistics.reclaims.items()):
-                reclaims.add_metric([name, trigger, outcome], count)
+                reclaims.add_metric([name, trigger.value, outcome], count)
             cancellations.add_metric([name], statistics.cancellations)
             if statistics.unload_requested_s:
                 requested.add_metric([name], statistics.unload_requested_s[-1])

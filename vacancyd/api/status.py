@@ -22,6 +22,7 @@ from vacancyd.footprint.book import FootprintBook
 from vacancyd.gate import owner_refusal, resource_refusal
 from vacancyd.model import OwnerScope, Quality, Refuse, Residency, ResourceKind
 from vacancyd.persist import StateFileProblem
+from vacancyd.published import Published
 from vacancyd.reclaim import ReclaimRecord, UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
@@ -33,9 +34,9 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def is_ready(state: SharedState) -> bool:
+def is_ready(state: SharedState, published: Published) -> bool:
     """Listeners bound, presence sampled, and every needed enabled resource fresh."""
-    if not state.all_listeners_bound or state.presence is None:
+    if not published.listeners.view().complete or state.presence is None:
         return False
     now = trio.current_time()
     if not state.presence_view(now).fresh:
@@ -55,6 +56,7 @@ def needed_resources(config: Config) -> set[str]:
 
 def status_document(
     state: SharedState,
+    published: Published,
     ledger: Ledger,
     decisions: DecisionLog,
     adapters_can_unload: dict[str, bool],
@@ -68,13 +70,16 @@ def status_document(
     now = trio.current_time()
     config = state.config
     stats = ledger.statistics()
+    listeners = published.listeners.view()
+    listener_states = published.listener_states()
+    unseen_gpu_work = published.unseen_gpu_work()
     return {
         "version": vacancyd.__version__,
-        "ready": is_ready(state),
+        "ready": is_ready(state, published),
         "uptime_s": _round(now - state.started_at),
         "lending": lending_status(state, now),
         "lending_hours": lending_hours_status(state, now),
-        "presence": _presence(state, now),
+        "presence": _presence(state, published, now),
         "owner_veto": {
             "engaged": state.veto.engaged,
             "reason": state.veto.reason,
@@ -91,10 +96,10 @@ def status_document(
             u.name: {
                 "adapter": u.adapter.value,
                 "listen": u.listen,
-                "bound": state.listeners.get(u.name, []),
+                "bound": listeners.addresses(u.name),
                 "connections": _connections(guards.get(u.name)),
                 "target": u.target,
-                "listener": {"state": state.listener_states.get(u.name, "unknown")},
+                "listener": {"state": listener_states.get(u.name, "unknown")},
                 "resource": u.resource,
                 "also_requires": list(u.also_requires),
                 "owner_scope": u.owner_scope.value,
@@ -102,8 +107,8 @@ def status_document(
                 "active_work": [
                     _reservation(r, now) for r in stats.entries if r.upstream == u.name
                 ],
-                "unseen_gpu_work": u.name in state.unseen_gpu_work,
-                "reachability": reachability_status(state.reachability, u.name, now),
+                "unseen_gpu_work": u.name in unseen_gpu_work,
+                "reachability": reachability_status(published.reachability, u.name, now),
                 "reclaim": _reclaim(reclaims.get(u.name), now),
                 **_decisions(decisions, u.name, now),
             }
@@ -117,11 +122,11 @@ def status_document(
         },
         "borrowers": borrowers_status(ledger.accounting, now),
         "api": {
-            "bound": state.listeners.get("api", []),
+            "bound": listeners.addresses("api"),
             "connections": _connections(guards.get("api")),
         },
-        "collectors": dict(state.collector_notes),
-        "state_files": [_state_file(problem) for problem in state.state_files.problems],
+        "collectors": dict(published.collector_notes()),
+        "state_files": [_state_file(problem) for problem in published.state_files.problems],
         "learned_footprints": footprints.learned.snapshot() if footprints else {},
         **operator_status(operator, now),
     }
@@ -147,9 +152,9 @@ def _reclaim(reclaim: UpstreamReclaim | None, now: float) -> dict[str, Any] | No
         if r is None:
             return None
         return {
-            "trigger": r.trigger,
+            "trigger": r.trigger.label,
             "policy": r.policy,
-            "phase": r.phase,
+            "phase": r.phase.value,
             "edges_age_s": [_round(now - at) for at in r.edges],
             "deadline_in_s": _round(r.deadline - now) if r.deadline is not None else None,
             "cancelled_jobs": list(r.cancelled_jobs),
@@ -186,14 +191,14 @@ def _memory_recovery(can_unload: bool) -> str:
     return "unload requested on owner return, then confirmed against the GPU's free memory"
 
 
-def _presence(state: SharedState, now: float) -> dict[str, Any]:
+def _presence(state: SharedState, published: Published, now: float) -> dict[str, Any]:
     reading = state.presence
     view = state.presence_view(now)
     refusal = owner_refusal(view)
     quality = "unknown" if reading is None else ("ready" if view.fresh else "stale")
     return {
-        "backend": state.presence_backend,
-        "scope": state.presence_scope_note,
+        "backend": published.presence.name,
+        "scope": published.presence.scope_note,
         "session": reading.session.value if reading else None,
         "owner_programs": list(reading.owner_programs) if reading else [],
         "quality": quality,

@@ -15,15 +15,15 @@ sockets, so it can only speak for targets on this machine:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 import trio
 
 from vacancyd.collect.attribution import ListenSocket, normalise_address, read_listen_sockets
 from vacancyd.config import Target, is_loopback_host
 from vacancyd.liveness import Heartbeat
-from vacancyd.probe import ProbeTimeout, run_probe
-from vacancyd.state import SharedState
+from vacancyd.probe import CallLane, ProbeTimeout
 
 log = logging.getLogger(__name__)
 
@@ -43,43 +43,61 @@ def listener_state(target: Target, sockets: Iterable[ListenSocket]) -> str:
     return "loopback_only"
 
 
-async def run_listener_watch(
-    state: SharedState,
-    targets: dict[str, Target],
-    *,
-    deadline_s: float,
-    heartbeat: Heartbeat | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Re-read the socket table every SCAN_EVERY_S; started after the first reading.
+class ListenerWatch:
+    """Re-reads the socket table every SCAN_EVERY_S and publishes each upstream's state.
 
-    `heartbeat` beats for every read that answered, even with an error; not on a timeout.
+    The states are the watch's own; /status reads them through `states()`.
     """
-    started = False
-    while True:
-        answered = True
-        try:
-            sockets = await run_probe(read_listen_sockets, deadline_s)
-        except Exception as exc:  # psutil.Error, OSError or the probe's timeout
-            log.debug("cannot read the listening sockets: %s", exc)
-            sockets = None
-            answered = not isinstance(exc, ProbeTimeout)
-        if answered and heartbeat is not None:
-            heartbeat.beat()
-        for name, target in targets.items():
-            found = "unknown" if sockets is None else listener_state(target, sockets)
-            if found == "listens_on_network" and state.listener_states.get(name) != found:
-                log.warning(
-                    "the server behind upstream %s (%s) also listens on the network: "
-                    "requests sent to it directly bypass vacancyd; bind it to loopback",
-                    name,
-                    target.origin,
-                )
-            state.listener_states[name] = found
-        if not started:
-            task_status.started()
-            started = True
-        await trio.sleep(SCAN_EVERY_S)
+
+    def __init__(
+        self,
+        targets: dict[str, Target],
+        *,
+        deadline_s: float,
+        heartbeat: Heartbeat | None = None,
+    ) -> None:
+        self._targets = targets
+        self._deadline_s = deadline_s
+        self._heartbeat = heartbeat
+        self._states: dict[str, str] = {}
+        # One scan thread at most: a scan stuck in /proc is not stacked on (probe.py).
+        self._lane = CallLane()
+
+    def states(self) -> Mapping[str, str]:
+        """Each upstream's latest state; a copy, so a reader never sees a scan half-done."""
+        return MappingProxyType(dict(self._states))
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Scan forever; started after the first scan.
+
+        The heartbeat beats for every read that answered, even with an error; not on a
+        timeout.
+        """
+        started = False
+        while True:
+            answered = True
+            try:
+                sockets = await self._lane.call_unstacked(read_listen_sockets, self._deadline_s)
+            except Exception as exc:  # psutil.Error, OSError or the probe's timeout
+                log.debug("cannot read the listening sockets: %s", exc)
+                sockets = None
+                answered = not isinstance(exc, ProbeTimeout)
+            if answered and self._heartbeat is not None:
+                self._heartbeat.beat()
+            for name, target in self._targets.items():
+                found = "unknown" if sockets is None else listener_state(target, sockets)
+                if found == "listens_on_network" and self._states.get(name) != found:
+                    log.warning(
+                        "the server behind upstream %s (%s) also listens on the network: "
+                        "requests sent to it directly bypass vacancyd; bind it to loopback",
+                        name,
+                        target.origin,
+                    )
+                self._states[name] = found
+            if not started:
+                task_status.started()
+                started = True
+            await trio.sleep(SCAN_EVERY_S)
 
 
-__all__ = ["listener_state", "run_listener_watch"]
+__all__ = ["ListenerWatch", "listener_state"]

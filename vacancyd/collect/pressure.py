@@ -33,8 +33,9 @@ from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure_guard import PressureGuard, build_threshold
 from vacancyd.collect.threshold import LearnedThreshold
 from vacancyd.config import PressureConfig, ResourceConfig, Target
+from vacancyd.edges import EdgeKind
 from vacancyd.liveness import Heartbeat
-from vacancyd.probe import ProbeTimeout, run_probe
+from vacancyd.probe import CallLane, ProbeTimeout
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,11 @@ class PressureCollector:
         self._identity: dict[str, str] = {}
         self._last_seen_us: dict[str, int] = {}
         self._unseen = UnseenWork()
+        # Published for /status: upstreams with admitted work but no process on a GPU.
+        self.unseen_gpu_work: frozenset[str] = frozenset()
         self._trees: dict[str, UpstreamTree] | None = None
+        # The /proc reads (start times, process trees): one thread at most (probe.py).
+        self._proc_lane = CallLane()
         self._trees_at = -float("inf")
         # Processes seen on a GPU at the last scan that belong to no upstream: the owner's.
         self._foreign: set[tuple[int, float]] = set()
@@ -145,7 +150,9 @@ class PressureCollector:
         samples = [r for r in readings.values() if isinstance(r, _GpuSample)]
         pids = {pid for r in samples for pid in r.pids}
         try:
-            start_times = await run_probe(partial(current_start_times, pids), self._deadline_s)
+            start_times = await self._proc_lane.call_unstacked(
+                partial(current_start_times, pids), self._deadline_s
+            )
             trees = await self._upstream_trees(began, start_times)
         except (ProbeTimeout, OSError, Exception) as exc:  # psutil.Error is an Exception
             log.warning("cannot find the upstreams' processes: %s", exc)
@@ -172,16 +179,16 @@ class PressureCollector:
             guard.observe(load, now, learning=presence_fresh, detail=detail)
             self._state.record_pressure(gpu.name, guard.view(now))
             for edge in guard.take_edges():
-                self._state.add_edge("pressure", edge.at, edge.reason, gpu.name)
+                self._state.add_edge(EdgeKind.PRESSURE, edge.at, edge.reason, gpu.name)
         if complete:
             unseen = self._unseen.observe(busy, seen)
-            if unseen != self._state.unseen_gpu_work:
-                for name in unseen - self._state.unseen_gpu_work:
+            if unseen != self.unseen_gpu_work:
+                for name in unseen - self.unseen_gpu_work:
                     log.warning(
                         "upstream %s has admitted work running but no process of it uses a GPU",
                         name,
                     )
-                self._state.unseen_gpu_work = unseen
+                self.unseen_gpu_work = unseen
 
     async def _read_gpu(self, resource: str) -> _GpuSample:
         utilisation = await self._nvml.process_utilization(
@@ -210,7 +217,7 @@ class PressureCollector:
         current = {(pid, start) for pid, start in start_times.items()}
         stale = self._trees is None or now - self._trees_at > TREE_RESCAN_S
         if stale or any(identity not in known for identity in current):
-            self._trees = await run_probe(
+            self._trees = await self._proc_lane.call_unstacked(
                 partial(scan_upstream_trees, self._targets), self._deadline_s
             )
             self._trees_at = now

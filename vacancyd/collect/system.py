@@ -3,6 +3,10 @@
 Memory capacity is what the kernel reports as available (free plus reclaimable cache),
 which is what a borrowed model could actually get without pushing the owner into swap.
 CPU has no byte capacity: only its utilisation is reported.
+
+The reads go through one call lane (probe.py): a /proc read that hangs is abandoned at
+the deadline and, until its thread comes back, later rounds report it instead of starting
+another thread behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import trio
 from vacancyd.config import ResourceConfig
 from vacancyd.liveness import Heartbeat
 from vacancyd.model import Observation, ResourceKind
-from vacancyd.probe import ProbeTimeout, run_probe
+from vacancyd.probe import CallLane, ProbeStuck, ProbeTimeout
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -109,6 +113,7 @@ async def run_system_collector(
     """
     probe = probe or SystemProbe(cpu=any(r.kind is ResourceKind.CPU for r in resources))
     names = [r.name for r in resources if r.kind in (ResourceKind.MEMORY, ResourceKind.CPU)]
+    lane = CallLane()
     started = False
     answered = state.sample_requests
     while True:
@@ -116,11 +121,14 @@ async def run_system_collector(
         asked_at = trio.current_time()
         answered = state.sample_requests
         try:
-            reading = await run_probe(probe.read, deadline_s)
+            reading = await lane.call_unstacked(probe.read, deadline_s)
         except ProbeTimeout as exc:
             for name in names:
                 state.mark_unavailable(name, str(exc))
-            log.warning("system capacity probe timed out after %.1fs", deadline_s)
+            if isinstance(exc, ProbeStuck):
+                log.warning("system capacity probe: %s", exc)
+            else:
+                log.warning("system capacity probe timed out after %.1fs", deadline_s)
         except (OSError, psutil.Error) as exc:
             for name in names:
                 state.mark_unavailable(name, f"psutil failed: {exc}")

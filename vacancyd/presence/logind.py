@@ -47,6 +47,7 @@ from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
 from vacancyd.model import PresenceReading, SessionState
 from vacancyd.presence.owner_processes import OwnerScanTimeout, scan_owner_programs
+from vacancyd.probe import CallLane
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ class LogindBackend:
         self._bus = bus
         self._call_timeout_s = call_timeout_s
         self._scan_timeout_s = scan_timeout_s
+        # One scan thread at most: a scan stuck in /proc is not stacked on (probe.py).
+        self._scan_lane = CallLane()
         self._router: DBusRouter | None = None
         self._problem = "not connected to the system bus yet"
         self._reconnect_wanted = trio.Event()
@@ -301,7 +304,10 @@ class LogindBackend:
         if self._owner_processes and summary.desktop_uids:
             try:
                 programs = await scan_owner_programs(
-                    self._owner_processes, summary.desktop_uids, deadline_s=self._scan_timeout_s
+                    self._owner_processes,
+                    summary.desktop_uids,
+                    deadline_s=self._scan_timeout_s,
+                    lane=self._scan_lane,
                 )
             except OwnerScanTimeout as exc:
                 # Without the scan a running game could go unseen: refuse rather than lend.

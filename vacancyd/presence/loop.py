@@ -48,8 +48,6 @@ async def run_presence(
     away. Reports started after the first read was recorded (or discarded). `heartbeat`
     beats for every read that answered in time (an unreadable session is an answer).
     """
-    state.presence_backend = backend.name
-    state.presence_scope_note = backend.scope_note
     wake = _Wake()
     async with trio.open_nursery() as nursery:
         if isinstance(backend, WatchingBackend):

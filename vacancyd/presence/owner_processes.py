@@ -10,6 +10,8 @@ Matching is exact and case-sensitive, on the process name and on the basename of
 executable, so "steam" matches neither "steamwebhelper" nor "Steam". The scan walks /proc
 through psutil, which blocks and can stall on a wedged process, so it runs on a worker
 thread under a deadline; a scan that overruns is abandoned and its thread left to finish.
+The caller's call lane (probe.py) keeps it to one such thread: until it comes back, the
+next scan is refused at once rather than started behind it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from functools import partial
 
 import psutil
 
-from vacancyd.probe import ProbeTimeout, run_probe
+from vacancyd.probe import CallLane, ProbeStuck, ProbeTimeout
 
 
 class OwnerScanTimeout(Exception):
@@ -55,11 +57,14 @@ def find_owner_programs(names: Collection[str], uids: Collection[int]) -> tuple[
 
 
 async def scan_owner_programs(
-    names: Collection[str], uids: Collection[int], *, deadline_s: float
+    names: Collection[str], uids: Collection[int], *, deadline_s: float, lane: CallLane
 ) -> tuple[str, ...]:
-    """find_owner_programs on a worker thread; raises OwnerScanTimeout past `deadline_s`."""
+    """find_owner_programs on a worker thread of `lane`; raises OwnerScanTimeout past
+    `deadline_s`, or at once while an earlier scan on `lane` is still stuck."""
     try:
-        return await run_probe(partial(find_owner_programs, names, uids), deadline_s)
+        return await lane.call_unstacked(partial(find_owner_programs, names, uids), deadline_s)
+    except ProbeStuck as exc:
+        raise OwnerScanTimeout(f"owner-process scan: {exc}") from None
     except ProbeTimeout:
         raise OwnerScanTimeout(
             f"owner-process scan did not finish within {deadline_s:g}s"

@@ -8,16 +8,16 @@ listener's limits, and responses stream for as long as the upstream produces the
 Order for each request: a CORS preflight for a forwarded route is answered at once;
 otherwise authenticate, classify, then by class: refuse, forward unconditionally, or
 (work) read the body, admit through gate and ledger, forward, release. Every answer made
-here follows the route's dialect (proxy/replies.py).
+here follows the route's dialect (proxy/replies.py). Forwarding itself, the relay of the
+judged request and its answer, is proxy/exchange.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,12 @@ from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
 from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, UpstreamConfig, parse_target
-from vacancyd.errors import UpstreamUnavailable
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.model import MIB, Refuse, Residency
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
 from vacancyd.proxy.cors import cross_origin_send, preflight_answer
-from vacancyd.proxy.dialects import StreamTail, stream_error
-from vacancyd.proxy.forward import DisconnectWatch, Relay, UpstreamResponse, open_upstream
-from vacancyd.proxy.headers import header_value, request_headers
+from vacancyd.proxy.exchange import UpstreamExchange
+from vacancyd.proxy.headers import header_value
 from vacancyd.proxy.policy import (
     Refusal,
     RequestHead,
@@ -49,15 +47,11 @@ from vacancyd.proxy.pool import UpstreamPool
 from vacancyd.proxy.replies import Replies
 from vacancyd.proxy.tracking import track_job
 from vacancyd.reachability import Reachability
-from vacancyd.serving import HEAD_WITH_BODY, StreamCut
 
 log = logging.getLogger(__name__)
 
 # How long a load's footprint may wait for the reading taken after it.
 MEASURE_WITHIN_S = 15.0
-
-# How long a cut stream's final error frame may take to send before the break.
-FINAL_FRAME_TIMEOUT_S = 1.0
 
 
 class ProxyApp:
@@ -91,8 +85,16 @@ class ProxyApp:
         # Where tracking tasks for jobs that outlive their request run (set by the service).
         self.background: trio.Nursery | None = None
         self.footprints = footprints
-        # Where each attempt to reach the upstream is reported, for /status.
-        self.reachability = reachability
+        # What carries a judged request to the upstream and its answer back.
+        self._exchange = UpstreamExchange(
+            upstream,
+            self.target,
+            self._pool,
+            admission,
+            credential=credential,
+            drop_request_headers=adapter.drop_request_headers,
+            reachability=reachability,
+        )
         self.residency: ResidencyWatch | None = None
         if adapter.residency is not None:
             learned_in = learned_dir / f"residency-{upstream.name}.json" if learned_dir else None
@@ -163,7 +165,7 @@ class ProxyApp:
         async with self._buffered_body(scope, receive, replies) as body:
             if body is None:
                 return
-            await self._forward(found, scope, receive, replies, body, reservation=None)
+            await self._exchange.forward(found, scope, receive, replies, body, reservation=None)
 
     async def _work(
         self,
@@ -234,7 +236,9 @@ class ProxyApp:
             return
         status: int | None = None
         try:
-            status = await self._forward(found, scope, receive, replies, body, reservation=outcome)
+            status = await self._exchange.forward(
+                found, scope, receive, replies, body, reservation=outcome
+            )
         finally:
             actions = self.adapter.actions
             if (
@@ -344,181 +348,6 @@ class ProxyApp:
         await drain_body(
             receive, limit_bytes=2 * self._max_body, deadline_s=self._limits.body_idle_timeout_s
         )
-
-    async def _forward(
-        self,
-        found: Classification,
-        scope: dict[str, Any],
-        receive: Any,
-        replies: Replies,
-        body: bytes,
-        reservation: Reservation | None,
-    ) -> int | None:
-        """Relay one request; returns the upstream's status, or None if none was relayed.
-
-        The borrower is written each piece of the upstream's answer as it arrives, one
-        piece in flight. Stopping the relay (the borrower left, or reclaim cut the job)
-        closes the upstream connection at once (`Relay.stop`), even while the write to a
-        borrower that stopped reading is still stuck.
-        """
-        headers = request_headers(
-            scope["headers"],
-            host=self.target.host_header,
-            forward_authorization=self.upstream.forward_authorization,
-            credential=self._credential,
-            dropped=self.adapter.drop_request_headers,
-        )
-        relay = Relay()
-        if reservation is not None:
-            self._admission.attach(reservation, relay)
-        watch = DisconnectWatch(receive, relay)
-        response: UpstreamResponse | None = None
-        tail = StreamTail()
-        with relay.scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch.run)
-                try:
-                    response = await open_upstream(
-                        self._pool,
-                        self.target,
-                        scope["method"],
-                        found.path,
-                        scope["query_string"],
-                        headers,
-                        body,
-                    )
-                except UpstreamUnavailable as exc:
-                    log.warning("upstream %s unavailable: %s", self.upstream.name, exc)
-                    self._reached(str(exc))
-                    watch.finishing = True
-                    await replies.error(502, "upstream_unavailable", "the upstream did not answer")
-                    nursery.cancel_scope.cancel()
-                    return None
-                relay.upstream = response
-                self._reached(None)
-                # What httpx's request line said, less the query string; off unless debug.
-                log.debug(
-                    "relayed %s %s on %s: %d",
-                    scope["method"],
-                    found.path,
-                    self.upstream.name,
-                    response.status,
-                )
-                hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
-                answered = partial(self._admission.answered, reservation) if reservation else None
-                await self._relay_answer(response, replies.send, watch, tail, hold_head, answered)
-                nursery.cancel_scope.cancel()
-        if relay.refusal is not None:
-            await self._answer_reclaimed(replies, relay.refusal, response, tail, scope, found)
-            return None
-        if watch.client_left:
-            log.info(
-                "client left %s %s on %s%s",
-                scope["method"],
-                found.path,
-                self.upstream.name,
-                f" (job {reservation.job_id})" if reservation else "",
-            )
-            return None
-        return response.status if response is not None else None
-
-    def _reached(self, error: str | None) -> None:
-        """Report one attempt to reach the upstream: answered (None), or how it failed."""
-        if self.reachability is not None:
-            self.reachability.note(self.upstream.name, error, trio.current_time())
-
-    async def _relay_answer(
-        self,
-        response: UpstreamResponse,
-        send: Any,
-        watch: DisconnectWatch,
-        tail: StreamTail,
-        hold_head: Callable[[], None] | None = None,
-        answered: Callable[[], None] | None = None,
-    ) -> None:
-        """Write the upstream's answer to the borrower as it arrives; `tail` follows where
-        the bytes sent so far end, for a final error frame should reclaim cut the stream.
-        `answered` is called once the upstream's whole answer is in."""
-        body = response.whole_body()
-        try:
-            head = {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": response.headers,
-            }
-            if body is not None:
-                if answered is not None:
-                    answered()
-                # The whole answer came with its head: the head goes out in the same
-                # write as the body (`hold_head`, serving.py).
-                if hold_head is not None:
-                    hold_head()
-                await send(head)
-                tail.started = True
-                watch.finishing = True
-                tail.sending(body)
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                tail.sent()
-                return
-            try:
-                await send(head)
-                tail.started = True
-                while (chunk := await response.read()) is not None:
-                    tail.sending(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    tail.sent()
-            finally:
-                response.release()
-            if answered is not None:
-                answered()
-            watch.finishing = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except Exception as exc:
-            # After the headers there is no honest way to report an error except to
-            # break the stream, so the borrower never mistakes it for a clean end.
-            log.warning(
-                "stream from %s broke after %s: %s",
-                self.upstream.name,
-                "headers" if tail.started else "request",
-                exc,
-            )
-            raise UpstreamStreamBroken(str(exc)) from exc
-
-    async def _answer_reclaimed(
-        self,
-        replies: Replies,
-        refusal: Refuse,
-        response: UpstreamResponse | None,
-        tail: StreamTail,
-        scope: dict[str, Any],
-        found: Classification,
-    ) -> None:
-        """Tell the borrower its job was cut: a 503 before the answer's headers; after
-        them, a last error frame where the stream's framing allows one, then a break."""
-        started = response is not None and tail.started
-        log.log(
-            logging.WARNING if started else logging.INFO,
-            "reclaim cut %s %s on %s %s: %s",
-            scope["method"],
-            found.path,
-            self.upstream.name,
-            "mid-stream" if started else "before its answer",
-            refusal.for_operator,
-        )
-        if response is None or not started:
-            await replies.refusal(refusal)
-            return
-        content_type = header_value(response.headers, b"content-type")
-        frame = stream_error(replies.dialect, content_type, refusal.reason.value, refusal.detail)
-        if frame and tail.at_boundary(content_type):
-            # Bounded: a borrower that stopped reading gets the break without the frame.
-            with trio.move_on_after(FINAL_FRAME_TIMEOUT_S):
-                await replies.send({"type": "http.response.body", "body": frame, "more_body": True})
-        raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
-
-
-class UpstreamStreamBroken(StreamCut):
-    """Raised into the server so it aborts the client connection mid-response."""
 
 
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:

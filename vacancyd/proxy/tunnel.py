@@ -3,7 +3,7 @@
 An ASGI server terminates WebSockets itself: it negotiates compression, answers pings and
 re-frames messages, so what reaches the upstream is not what the borrower sent. Instead
 the listener hands over a connection as soon as h11 has parsed a request head that asks
-for a WebSocket (see serving.py), with the bytes that followed the head.
+for a WebSocket (see serving_protocol.py), with the bytes that followed the head.
 
 What the tunnel trusts, in order:
 

@@ -21,8 +21,9 @@ is outstanding: handles do not survive a driver reset and enumeration happens on
 Probes only read counters; nothing here allocates on the GPU.
 
 Modules: naming.py (pure: how a GPU is named), resolution.py (pure: which device a
-configured GPU is), binding.py (the only importer of pynvml), collector.py (the broker of
-sessions and per-GPU call lanes, and the capacity loop).
+configured GPU is), binding.py (the only importer of pynvml), broker.py (the one holder
+of NVML: sessions, per-GPU call lanes, resolution; lent to every loop that reads a GPU)
+and collector.py (the capacity loop, which creates the broker and lends it on).
 """
 
 from vacancyd.collect.nvml.binding import (
@@ -35,13 +36,13 @@ from vacancyd.collect.nvml.binding import (
     ProcessUtilization,
     RunningProcesses,
 )
-from vacancyd.collect.nvml.collector import (
+from vacancyd.collect.nvml.broker import (
     GpuStatistics,
     GpuUnavailable,
-    NvmlCollector,
+    NvmlBroker,
     NvmlStatistics,
-    run_nvml_collector,
 )
+from vacancyd.collect.nvml.collector import NvmlCollector, run_nvml_collector
 from vacancyd.collect.nvml.naming import DeviceIdentity, DeviceSelector, PciAddress
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "GpuStatistics",
     "GpuUnavailable",
     "LibrarySession",
+    "NvmlBroker",
     "NvmlCollector",
     "NvmlLibrary",
     "NvmlStatistics",

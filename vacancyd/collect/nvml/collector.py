@@ -1,99 +1,41 @@
-"""The GPU broker and the capacity loop: NVML sessions, per-GPU call lanes, resolution of
-configured GPUs to devices, and sampling them into shared state (see the package docstring
-for the stance). The pressure collector borrows GPU access through `call_device`.
+"""The capacity loop: sample every configured GPU's memory and utilisation into shared state.
+
+It borrows all GPU access from the broker (broker.py), which it creates and lends on to
+the pressure collector (`call_device`, `process_utilization`, `processes`), so both loops
+share one NVML session and one set of call lanes. What stays here is the cadence: a poll
+every interval or on request, each GPU sampled in a background task so a slow one never
+delays another, a sample asked for during a running one taken again when it ends, and the
+watchdog's heartbeat. The stance is in the package docstring.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-import attrs
 import pynvml
 import trio
 
 from vacancyd.collect.nvml.binding import (
-    SESSION_BROKEN,
     DeviceHandle,
     GpuReading,
-    LibrarySession,
     NvmlLibrary,
     OpenedDevice,
     ProcessUtilization,
     RunningProcesses,
-    describe_start_failure,
-    error_code,
 )
-from vacancyd.collect.nvml.naming import DeviceSelector
-from vacancyd.collect.nvml.resolution import Unresolved, resolve
+from vacancyd.collect.nvml.broker import BrokeredGpu, NvmlBroker, NvmlStatistics
 from vacancyd.config import ResourceConfig
 from vacancyd.liveness import Heartbeat
-from vacancyd.model import Observation, ResourceKind
-from vacancyd.probe import CallLane, ProbeTimeout
+from vacancyd.model import Observation
+from vacancyd.probe import ProbeTimeout
 from vacancyd.state import SharedState
 
 log = logging.getLogger("vacancyd.collect.nvml")
 
 T = TypeVar("T")
-
-# Restarts after a lost GPU back off in multiples of the poll interval, up to this cap.
-_MAX_RESTART_BACKOFF_S = 60.0
-
-
-class GpuUnavailable(Exception):
-    """The GPU behind a resource cannot be asked right now; the message says why."""
-
-
-@attrs.frozen
-class GpuStatistics:
-    resource: str
-    device: str
-    index: int | None
-    uuid: str | None
-    pci_bus_id: str | None
-    name: str | None
-    problem: str
-
-
-@attrs.frozen
-class NvmlStatistics:
-    """A frozen view of the collector for status pages and tests."""
-
-    loaded: bool
-    driver_version: str | None
-    device_count: int | None
-    note: str
-    restarts: int
-    gpus: tuple[GpuStatistics, ...]
-
-
-@attrs.define(eq=False)
-class _Gpu:
-    config: ResourceConfig
-    selector: DeviceSelector | None
-    selector_error: str = ""
-    opened: OpenedDevice | None = None
-    # The UUID this resource first resolved to; a later resolution must find the same GPU.
-    pinned_uuid: str | None = None
-    # NVML must be initialised afresh before this GPU can be found again.
-    lost: bool = False
-    sampling: bool = False
-    # A poll came while this GPU's sample was running: sample once more when it ends.
-    asked_again_at: float | None = None
-    problem: str = "not sampled yet"
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def label(self) -> str:
-        if self.opened is not None:
-            return self.opened.identity.describe()
-        return self.selector.text if self.selector is not None else str(self.config.device)
 
 
 class NvmlCollector:
@@ -111,26 +53,12 @@ class NvmlCollector:
         self._state = state
         self._deadline_s = deadline_s
         self._heartbeat = heartbeat
-        self._library = library or NvmlLibrary()
-        self._gpus: list[_Gpu] = []
-        for config in gpus:
-            if config.kind is not ResourceKind.NVIDIA_GPU:
-                continue
-            try:
-                self._gpus.append(_Gpu(config, DeviceSelector.parse(config.device)))
-            except ValueError as exc:
-                self._gpus.append(_Gpu(config, None, selector_error=str(exc)))
-        self._by_name = {gpu.name: gpu for gpu in self._gpus}
-        self._library_lane = CallLane()
-        self._device_lanes: dict[int, CallLane] = {}
-        self._session: LibrarySession | None = None
-        # Successful nvmlInit calls not yet shut down. Also counted by a worker thread whose
-        # init was abandoned and came back late, so shutdown stays balanced.
-        self._held = 0
-        self._restarts = 0
-        self._restart_backoff_s = 0.0
-        self._restart_not_before = -math.inf
-        self._note = ""
+        self._broker = NvmlBroker(state, gpus, deadline_s=deadline_s, library=library)
+
+    @property
+    def broker(self) -> NvmlBroker:
+        """The GPU access this loop samples through, for other loops that read the GPUs."""
+        return self._broker
 
     # -- the loop --------------------------------------------------------------------
 
@@ -160,52 +88,54 @@ class NvmlCollector:
                         await self._state.wait_sample_requested(answered)
         finally:
             with trio.CancelScope(shield=True):
-                await self._release()
+                await self._broker.release()
 
     async def _poll(self, sampler: trio.Nursery, asked_at: float) -> None:
+        broker = self._broker
         # Progress, for the watchdog: a poll with no call stuck in the driver. A driver
         # that answers with errors is progress; one that stopped answering is a wedge.
-        if self._heartbeat is not None and not self._stuck_in_driver():
+        if self._heartbeat is not None and not broker.stuck_in_driver():
             self._heartbeat.beat()
-        if not self._gpus:
+        if not broker.gpus:
             return
-        for gpu in self._gpus:
+        for gpu in broker.gpus:
             if gpu.selector is None:
-                self._fail(gpu, gpu.selector_error)
-        if not await self._ensure_session():
+                broker.fail(gpu, gpu.selector_error)
+        if not await broker.ensure_session():
             return
-        await self._resolve()
-        for gpu in self._gpus:
+        await broker.resolve()
+        for gpu in broker.gpus:
             if gpu.opened is None:
                 continue  # unresolved, and already marked with the reason
             if gpu.sampling:
                 # A reading asked for now must not be answered by one that began earlier.
                 gpu.asked_again_at = asked_at
                 continue
-            stuck = self._lane(gpu.opened.identity.index).stuck_since()
+            stuck = broker.lane(gpu.opened.identity.index).stuck_since()
             if stuck is not None:
-                self._fail(gpu, self._stuck_reason(gpu.label, stuck))
+                broker.fail(gpu, broker.stuck_reason(gpu.label, stuck))
                 continue
             gpu.sampling = True
             sampler.start_soon(self._sample, gpu, gpu.opened, asked_at)
 
-    async def _sample(self, gpu: _Gpu, opened: OpenedDevice, asked_at: float) -> None:
-        lane = self._lane(opened.identity.index)
+    async def _sample(self, gpu: BrokeredGpu, opened: OpenedDevice, asked_at: float) -> None:
+        broker = self._broker
+        lane = broker.lane(opened.identity.index)
         try:
             while True:
                 gpu.asked_again_at = None
                 try:
                     reading = await lane.call(
-                        partial(self._library.read, opened.handle), self._deadline_s
+                        partial(broker.library.read, opened.handle), self._deadline_s
                     )
                 except ProbeTimeout:
                     why = f"NVML did not answer within {self._deadline_s:g}s for {gpu.label}"
-                    self._fail(gpu, why)
+                    broker.fail(gpu, why)
                     return  # the call is stuck; later polls report it, none are stacked
                 except pynvml.NVMLError as exc:
-                    self._nvml_error(gpu, opened, exc)
+                    broker.nvml_error(gpu, opened, exc)
                 else:
-                    if gpu.opened is opened and self._session is not None:
+                    if gpu.opened is opened and broker.session is not None:
                         self._record(gpu, opened, reading, asked_at)
                 again = gpu.asked_again_at
                 if again is None or gpu.opened is not opened:
@@ -216,10 +146,11 @@ class NvmlCollector:
             gpu.asked_again_at = None
 
     def _record(
-        self, gpu: _Gpu, opened: OpenedDevice, reading: GpuReading, asked_at: float
+        self, gpu: BrokeredGpu, opened: OpenedDevice, reading: GpuReading, asked_at: float
     ) -> None:
-        assert self._session is not None
-        detail = f"{opened.identity.describe()}, driver {self._session.driver_version}"
+        session = self._broker.session
+        assert session is not None
+        detail = f"{opened.identity.describe()}, driver {session.driver_version}"
         if gpu.problem:
             log.info("%s: NVML reads %s again", gpu.name, opened.identity.describe())
         gpu.problem = ""
@@ -234,295 +165,26 @@ class NvmlCollector:
             )
         )
 
-    # -- the library session ---------------------------------------------------------
-
-    async def _ensure_session(self) -> bool:
-        """Have NVML initialised (restarting it for a lost GPU when due); False if not."""
-        now = trio.current_time()
-        lost = [gpu for gpu in self._gpus if gpu.lost]
-        if not lost:
-            self._restart_backoff_s = 0.0
-        if self._session is not None and not (lost and now >= self._restart_not_before):
-            return True
-        if not self._quiet():
-            # Never init or shut down under a call still in the driver.
-            stuck = self._library_lane.stuck_since()
-            if self._session is None:
-                why = (
-                    self._stuck_reason("NVML initialisation", stuck)
-                    if stuck is not None
-                    else "NVML is not initialised yet; waiting for earlier calls to return"
-                )
-                self._fail_all(why)
-                return False
-            return True  # the lost GPUs keep their reason; restart at a later poll
-        if self._session is not None:
-            self._restarts += 1
-            self._restart_backoff_s = min(
-                max(self._restart_backoff_s * 2, self._state.poll_interval_s),
-                max(_MAX_RESTART_BACKOFF_S, self._state.poll_interval_s),
-            )
-            self._restart_not_before = now + self._restart_backoff_s
-            log.info("re-initialising NVML to find %s again", ", ".join(g.name for g in lost))
-            await self._stop_session()
-        try:
-            session = await self._library_lane.call(self._start_counted, self._deadline_s)
-        except ProbeTimeout:
-            self._set_note(f"NVML initialisation did not answer within {self._deadline_s:g}s")
-            self._fail_all(self._note)
-            return False
-        except pynvml.NVMLError as exc:
-            self._set_note(describe_start_failure(exc))
-            self._fail_all(self._note)
-            return False
-        self._session = session
-        for gpu in self._gpus:
-            gpu.opened = None
-        plural = "" if session.device_count == 1 else "s"
-        self._set_note(
-            f"NVML driver {session.driver_version}, {session.device_count} GPU{plural} visible"
-        )
-        return True
-
-    def _start_counted(self) -> LibrarySession:
-        session = self._library.start()
-        self._held += 1
-        return session
-
-    async def _stop_session(self) -> None:
-        self._session = None
-        for gpu in self._gpus:
-            gpu.opened = None
-        if not self._held:
-            return
-
-        def stop_all() -> None:
-            try:
-                while self._held:
-                    self._library.stop()
-                    self._held -= 1
-            except pynvml.NVMLError:
-                self._held = 0  # NVML no longer counts them either
-                raise
-
-        try:
-            await self._library_lane.call(stop_all, self._deadline_s)
-        except (ProbeTimeout, pynvml.NVMLError) as exc:
-            log.warning("NVML shutdown failed: %s", exc)
-
-    async def _release(self) -> None:
-        with trio.move_on_after(self._deadline_s):
-            for lane in (self._library_lane, *self._device_lanes.values()):
-                await lane.wait_idle()
-        if self._held and self._quiet(ignore_sampling=True):
-            await self._stop_session()
-        elif self._held:
-            log.warning("leaving NVML initialised: a call is still stuck in the driver")
-
-    def _stuck_in_driver(self) -> bool:
-        """Whether a call abandoned at its deadline has still not returned, on any lane."""
-        lanes = (self._library_lane, *self._device_lanes.values())
-        return any(lane.stuck_since() is not None for lane in lanes)
-
-    def _quiet(self, *, ignore_sampling: bool = False) -> bool:
-        """No NVML call in flight anywhere, abandoned or not."""
-        if not ignore_sampling and any(gpu.sampling for gpu in self._gpus):
-            return False
-        lanes = (self._library_lane, *self._device_lanes.values())
-        return all(lane.idle for lane in lanes)
-
-    # -- finding the configured GPUs -------------------------------------------------
-
-    async def _resolve(self) -> None:
-        """Take handles for configured GPUs that have none in this session."""
-        assert self._session is not None
-        pending = [gpu for gpu in self._gpus if gpu.opened is None and gpu.selector is not None]
-        if not pending:
-            return
-        count = self._session.device_count
-        wanted: set[int] = set()
-        for gpu in pending:
-            assert gpu.selector is not None
-            if gpu.selector.index is None:
-                wanted.update(range(count))  # only a census can show a UUID or bus id is unique
-            elif gpu.selector.index < count:
-                wanted.add(gpu.selector.index)
-        found: dict[int, OpenedDevice | str] = {}
-        broken: set[int] = set()
-        async with trio.open_nursery() as nursery:
-            for index in sorted(wanted):
-                nursery.start_soon(self._open, index, found, broken)
-        for gpu in pending:
-            self._adopt(gpu, found, broken, count)
-
-    async def _open(
-        self, index: int, found: dict[int, OpenedDevice | str], broken: set[int]
-    ) -> None:
-        lane = self._lane(index)
-        stuck = lane.stuck_since()
-        if stuck is not None:
-            found[index] = self._stuck_reason(f"GPU {index}", stuck)
-            return
-        try:
-            found[index] = await lane.call(
-                partial(self._library.open_by_index, index), self._deadline_s
-            )
-        except ProbeTimeout:
-            found[index] = f"NVML did not answer within {self._deadline_s:g}s for GPU {index}"
-        except pynvml.NVMLError as exc:
-            found[index] = f"NVML could not open GPU {index}: {exc}"
-            if error_code(exc) in SESSION_BROKEN:
-                broken.add(index)
-
-    def _adopt(
-        self,
-        gpu: _Gpu,
-        found: dict[int, OpenedDevice | str],
-        broken: set[int],
-        count: int,
-    ) -> None:
-        """Resolve one configured GPU by the rule in resolution.py, and take its handle."""
-        assert gpu.selector is not None
-        identities = {
-            index: opened.identity if isinstance(opened, OpenedDevice) else opened
-            for index, opened in found.items()
-        }
-        claimed = {
-            other.name: other.opened.identity.uuid
-            for other in self._gpus
-            if other is not gpu and other.opened is not None
-        }
-        outcome = resolve(gpu.selector, gpu.pinned_uuid, identities, broken, count, claimed)
-        if isinstance(outcome, Unresolved):
-            self._fail(gpu, outcome.why, lost=outcome.lost)
-            return
-        opened = found[outcome.index]
-        assert isinstance(opened, OpenedDevice)
-        gpu.opened = opened
-        gpu.pinned_uuid = outcome.identity.uuid
-        gpu.lost = False
-
-    # -- failures ----------------------------------------------------------------------
-
-    def _nvml_error(self, gpu: _Gpu, opened: OpenedDevice, exc: BaseException) -> None:
-        if error_code(exc) in SESSION_BROKEN:
-            if gpu.opened is opened:
-                gpu.opened = None
-            gpu.lost = True
-            self._fail(
-                gpu, f"NVML lost {opened.identity.describe()} ({exc}); it will be looked for again"
-            )
-        else:
-            self._fail(gpu, f"NVML could not read {opened.identity.describe()}: {exc}")
-
-    def _fail(self, gpu: _Gpu, why: str, *, lost: bool = False) -> None:
-        if lost:
-            gpu.lost = True
-        if why != gpu.problem:
-            log.warning("%s: %s", gpu.name, why)
-        gpu.problem = why
-        self._state.mark_unavailable(gpu.name, why)
-
-    def _fail_all(self, why: str) -> None:
-        for gpu in self._gpus:
-            gpu.opened = None
-            if gpu.selector is not None:
-                self._fail(gpu, why)
-
-    def _set_note(self, note: str) -> None:
-        if note != self._note:
-            log.log(logging.INFO if note.startswith("NVML driver") else logging.WARNING, note)
-        self._note = note
-        self._state.collector_notes["nvml"] = note
-
-    def _stuck_reason(self, what: str, since: float) -> str:
-        age = trio.current_time() - since
-        return f"an NVML call for {what} has not returned after {age:.1f}s; not asking again yet"
-
-    def _lane(self, index: int) -> CallLane:
-        lane = self._device_lanes.get(index)
-        if lane is None:
-            lane = self._device_lanes[index] = CallLane()
-        return lane
-
-    # -- for other loops (attributed pressure) ---------------------------------------
+    # -- the broker's access, for other loops (attributed pressure) ------------------
 
     async def call_device(self, resource: str, probe: Callable[[DeviceHandle], T]) -> T:
-        """Run one blocking NVML probe against the GPU behind `resource`, under the deadline.
-
-        `probe` gets the device handle on a worker thread. It shares the GPU's bookkeeping
-        with capacity sampling, so a call stuck in the driver blocks both. Raises
-        GpuUnavailable when the GPU is not resolved, when an earlier call to it is still
-        stuck, or when this call overruns; an NVML error that means the GPU is lost is
-        handled as a failed sample would be, then re-raised.
-        """
-        gpu = self._by_name.get(resource)
-        if gpu is None:
-            raise GpuUnavailable(f"{resource!r} is not an NVIDIA GPU this collector measures")
-        opened = gpu.opened
-        if opened is None:
-            raise GpuUnavailable(gpu.problem or "GPU not resolved yet")
-        lane = self._lane(opened.identity.index)
-        stuck = lane.stuck_since()
-        if stuck is not None:
-            raise GpuUnavailable(self._stuck_reason(gpu.label, stuck))
-        try:
-            return await lane.call(partial(probe, opened.handle), self._deadline_s)
-        except ProbeTimeout as exc:
-            raise GpuUnavailable(
-                f"NVML did not answer within {self._deadline_s:g}s for {gpu.label}"
-            ) from exc
-        except pynvml.NVMLError as exc:
-            if error_code(exc) in SESSION_BROKEN:
-                self._nvml_error(gpu, opened, exc)
-            raise
+        """NvmlBroker.call_device: one blocking probe against the GPU behind `resource`."""
+        return await self._broker.call_device(resource, probe)
 
     async def process_utilization(self, resource: str, last_seen_us: int) -> ProcessUtilization:
         """(pid, SM %) for processes sampled after `last_seen_us`; see call_device."""
-        return await self.call_device(
-            resource, partial(_process_utilization, self._library, last_seen_us)
-        )
+        return await self._broker.process_utilization(resource, last_seen_us)
 
     async def processes(self, resource: str) -> RunningProcesses:
         """The compute and graphics processes on the GPU; see call_device."""
-        return await self.call_device(resource, partial(_both_process_lists, self._library))
+        return await self._broker.processes(resource)
 
     @property
     def library(self) -> NvmlLibrary:
-        return self._library
+        return self._broker.library
 
     def statistics(self) -> NvmlStatistics:
-        return NvmlStatistics(
-            loaded=self._session is not None,
-            driver_version=self._session.driver_version if self._session else None,
-            device_count=self._session.device_count if self._session else None,
-            note=self._note,
-            restarts=self._restarts,
-            gpus=tuple(
-                GpuStatistics(
-                    resource=gpu.name,
-                    device=str(gpu.config.device),
-                    index=gpu.opened.identity.index if gpu.opened else None,
-                    uuid=gpu.opened.identity.uuid if gpu.opened else None,
-                    pci_bus_id=gpu.opened.identity.pci_bus_id if gpu.opened else None,
-                    name=gpu.opened.identity.name if gpu.opened else None,
-                    problem=gpu.problem,
-                )
-                for gpu in self._gpus
-            ),
-        )
-
-
-def _process_utilization(
-    library: NvmlLibrary, last_seen_us: int, handle: DeviceHandle
-) -> ProcessUtilization:
-    return library.process_utilization(handle, last_seen_us)
-
-
-def _both_process_lists(library: NvmlLibrary, handle: DeviceHandle) -> RunningProcesses:
-    return RunningProcesses(
-        compute=library.compute_processes(handle), graphics=library.graphics_processes(handle)
-    )
+        return self._broker.statistics()
 
 
 async def run_nvml_collector(
