@@ -13,7 +13,7 @@ from functools import partial
 
 import trio
 
-from tests.support.configs import config_from
+from tests.support.configs import FAST_POLL_RAM, config_from
 from vacancyd.collect.system import SystemProbe, SystemReading, run_system_collector
 from vacancyd.liveness import MISSED_ROUNDS, Liveness, bound_for
 from vacancyd.state import SharedState
@@ -99,26 +99,9 @@ class HangingProbe(SystemProbe):
         return super().read()
 
 
-CONFIG = """
-[server]
-poll_interval_s = 0.05
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "ram"
-"""
-
-
 async def test_a_collector_whose_probe_stops_answering_stops_beating() -> None:
     """Errors are answers and keep the beat; a probe that overruns, every round, does not."""
-    config = config_from(CONFIG)
+    config = config_from(FAST_POLL_RAM)
     state = SharedState(config)
     liveness = Liveness()
     deadline_s = 0.1

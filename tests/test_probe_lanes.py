@@ -14,29 +14,13 @@ from functools import partial
 import pytest
 import trio
 
-from tests.support.configs import config_from
+from tests.support.configs import FAST_POLL_RAM, config_from
 from vacancyd.collect.system import SystemProbe, SystemReading, run_system_collector
 from vacancyd.model import Quality
 from vacancyd.probe import CallLane, ProbeStuck
 from vacancyd.state import SharedState
 
 WAIT_S = 20.0
-
-CONFIG = """
-[server]
-poll_interval_s = 0.05
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "ram"
-"""
 
 
 class WedgedRead:
@@ -111,7 +95,7 @@ async def test_a_lane_with_an_abandoned_call_starts_no_second_thread() -> None:
 async def test_a_hung_system_probe_is_reported_each_round_without_stacking_threads(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    config = config_from(CONFIG)
+    config = config_from(FAST_POLL_RAM)
     state = SharedState(config)
     probe = WedgedSystemProbe()
 

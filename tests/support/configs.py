@@ -84,3 +84,22 @@ target = "{target}"
 resource = "ram"
 {upstream_extra}
 """
+
+
+# One memory resource polled every 50 ms, headless presence, an upstream nobody calls:
+# for tests that watch the collectors' own loops.
+FAST_POLL_RAM = """
+[server]
+poll_interval_s = 0.05
+[owner]
+presence = "headless"
+[[resource]]
+name = "ram"
+kind = "memory"
+[[upstream]]
+name = "llama"
+adapter = "llamacpp"
+listen = "127.0.0.1:0"
+target = "http://127.0.0.1:9"
+resource = "ram"
+"""
