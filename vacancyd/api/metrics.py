@@ -197,7 +197,7 @@ class VacancydCollector(Collector):
     def _reclaim_families(self) -> list[Metric]:
         reclaims = CounterMetricFamily(
             "vacancyd_reclaims",
-            "Reclaims answered, by trigger (owner, pressure) and outcome",
+            "Reclaims answered, by trigger (owner, hours, pressure) and outcome",
             labels=["upstream", "trigger", "outcome"],
         )
         cancellations = CounterMetricFamily(
