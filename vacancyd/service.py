@@ -262,6 +262,8 @@ async def run_daemon(
     grace = config.server.shutdown_grace_s
     ops = Operations(config, environ)
     poll, deadline = config.server.poll_interval_s, config.server.probe_deadline_s
+    # Where each upstream's server listens: the pressure and listener collectors look there.
+    targets = {u.name: parse_target(u.target) for u in config.upstream}
 
     async with ops.open(), open_upstream_client(limits) as client, trio.open_nursery() as root:
         supervisor = Supervisor(root)
@@ -293,7 +295,7 @@ async def run_daemon(
             pressure = PressureCollector(
                 state,
                 gpus,
-                {u.name: parse_target(u.target) for u in config.upstream},
+                targets,
                 nvml,
                 lambda: {entry.upstream for entry in ledger.statistics().entries},
                 CalibrationStore(state_dir, state_files),
@@ -317,7 +319,7 @@ async def run_daemon(
         )
         backend = choose_backend(config.owner)
         listener_watch = ListenerWatch(
-            {u.name: parse_target(u.target) for u in config.upstream},
+            targets,
             deadline_s=config.server.probe_deadline_s,
             heartbeat=ops.heartbeat(
                 "collector:listeners", every_s=SCAN_EVERY_S, round_within_s=deadline

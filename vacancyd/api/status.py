@@ -36,7 +36,7 @@ def _round(value: float | None) -> float | None:
 
 def is_ready(state: SharedState, published: Published) -> bool:
     """Listeners bound, presence sampled, and every needed enabled resource fresh."""
-    if not published.listeners.view().complete or state.presence is None:
+    if not published.listeners.view().complete:
         return False
     now = trio.current_time()
     if not state.presence_view(now).fresh:
