@@ -201,7 +201,8 @@ async def test_only_a_json_boolean_flips_the_switch(echo: EchoUpstream, tmp_path
                 content=b'{"enabled": false}',
                 headers={**bearer(ADMIN), "Content-Type": content_type},
             )
-            assert sneaky.status_code == 400, content_type
+            assert sneaky.status_code == 415, content_type
+            assert error_code(sneaky) == "json_required"
         assert daemon.state.resource_switch["ram"] is True
         with trio.fail_after(WAIT_S):
             assert (await work(http, daemon)).status_code == 200

@@ -216,7 +216,8 @@ async def test_an_admin_token_pauses_lending_and_work_is_then_refused(
             content=b'{"enabled": false}',
             headers={**bearer(ADMIN), "Content-Type": "text/plain"},
         )
-        assert form.status_code == 400
+        assert form.status_code == 415
+        assert error_code(form) == "json_required"
         assert daemon.state.lending_enabled
         paused = await pause(http, daemon, headers=bearer(ADMIN))
         assert paused.status_code == 200

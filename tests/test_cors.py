@@ -2,20 +2,23 @@
 
 A preflight for a forwarded route gets 204 (with allow headers only for a listed origin)
 and never reaches admission or the upstream; other requests from a listed origin get
-vacancyd's allow headers, upstream CORS headers never pass, and on ComfyUI a listed origin
-passes the cross-site check that refuses every other page.
+vacancyd's allow headers, upstream CORS headers never pass, and a listed origin passes the
+cross-site check that refuses every other page's work and WebSockets (on ComfyUI, every
+request of another site's page).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
 from tests.support.clients import attempts, lender_config
 from tests.support.configs import config_from
-from tests.support.daemon import in_process_daemon
+from tests.support.daemon import host_port, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
 from tests.support.upstreams import EchoUpstream
@@ -121,7 +124,80 @@ async def test_a_listed_origin_can_read_answers_and_refusals(
         stranger = await http.post(
             url, json={"prompt": "x"}, headers={"Origin": "https://evil.example"}
         )
+        assert stranger.status_code == 403
+        assert stranger.headers["x-vacancyd-reason"] == "cross_origin_refused"
         assert "access-control-allow-origin" not in stranger.headers
+
+
+EVIL = "https://evil.example"
+
+
+async def test_a_page_on_another_site_cannot_start_borrowed_work(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    """With loopback trust, a page open in the owner's browser reaches 127.0.0.1 as the
+    owner. A form post or a no-cors `fetch` with a text/plain body needs no preflight: the
+    page cannot read the answer, but the work would run on the owner's GPU."""
+    config = lender_config(echo.url, tmp_path / "state", adapter="openai", upstream_extra=ALLOWED)
+    body = json.dumps({"model": "m", "prompt": "spend the owner's GPU"})
+    async with (
+        in_process_daemon(config) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=10) as http,
+    ):
+        url = f"{daemon.proxy('lender')}/v1/completions"
+        pages = [
+            {"Origin": EVIL, "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},
+            # Another program's page on this machine: same site, another origin.
+            {"Origin": "http://127.0.0.1:5173", "Sec-Fetch-Site": "same-site"},
+            {"Origin": "null", "Sec-Fetch-Site": "cross-site"},  # a sandboxed frame
+        ]
+        for page in pages:
+            sent = await http.post(
+                url, content=body, headers={**page, "Content-Type": "text/plain"}
+            )
+            assert sent.status_code == 403, page
+            assert sent.headers["x-vacancyd-reason"] == "cross_origin_refused"
+            assert "access-control-allow-origin" not in sent.headers
+        assert echo.seen == []
+        assert await attempts(daemon, "lender") == 0
+        # Reads are left as they were: they change nothing, and the page cannot read them.
+        read = await http.get(f"{daemon.proxy('lender')}/v1/models", headers=pages[0])
+        assert read.status_code == 200 and "access-control-allow-origin" not in read.headers
+        # The listed origin, and a client that is not a browser, still borrow.
+        listed = await http.post(url, content=body, headers={"Origin": APP})
+        assert listed.status_code == 200
+        assert listed.headers["access-control-allow-origin"] == APP
+        assert (await http.post(url, content=body)).status_code == 200
+
+
+async def upgrade_from(daemon_url: str, origin: str) -> bytes:
+    """An upgrade to the realtime socket as a browser page on `origin` sends it (browsers
+    never preflight a WebSocket), and the whole answer."""
+    stream = await trio.open_tcp_stream(*host_port(daemon_url))
+    reply = b""
+    async with stream:
+        await stream.send_all(
+            b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Origin: " + origin.encode() + b"\r\n\r\n"
+        )
+        with trio.fail_after(5):
+            while b"\r\n\r\n" not in reply and (chunk := await stream.receive_some(4096)):
+                reply += chunk
+    return reply
+
+
+async def test_a_page_on_another_site_cannot_open_a_work_socket(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    config = lender_config(echo.url, tmp_path / "state", adapter="openai", upstream_extra=ALLOWED)
+    async with in_process_daemon(config) as daemon:
+        refused = await upgrade_from(daemon.proxy("lender"), EVIL)
+        assert refused.startswith(b"HTTP/1.1 403") and b"cross_origin_refused" in refused
+        assert echo.ws_seen == []
+        opened = await upgrade_from(daemon.proxy("lender"), APP)
+        assert opened.startswith(b"HTTP/1.1 101")
 
 
 async def test_on_comfyui_a_listed_origin_passes_the_cross_site_check(tmp_path: Path) -> None:

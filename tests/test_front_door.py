@@ -46,11 +46,12 @@ def decide(
     headers: list[tuple[bytes, bytes]] | None = None,
     management: Management = Management.DENY,
     auth: AuthResult = ALLOWED,
+    cors_origins: frozenset[str] = frozenset(),
 ) -> Forward | Refusal:
     raw, _, query = path.encode().partition(b"?")
     chosen = headers if headers is not None else (UPGRADE if websocket else PLAIN)
     head = RequestHead(method, raw, query, chosen, websocket=websocket)
-    return front_door(head, adapter_for(adapter), management, auth)
+    return front_door(head, adapter_for(adapter), management, auth, cors_origins)
 
 
 def outcome(decision: Forward | Refusal) -> tuple[int, str] | str:
@@ -137,6 +138,27 @@ def test_framing_is_judged_before_the_route(
     assert outcome(got) == (400, code)
 
 
+@pytest.mark.parametrize(
+    ("method", "extra", "expected"),
+    [
+        ("GET", [(b"content-length", b"5")], (400, "body_not_allowed")),
+        ("GET", [(b"transfer-encoding", b"chunked")], (400, "body_not_allowed")),
+        ("HEAD", [(b"content-length", b"12")], (400, "body_not_allowed")),
+        ("HEAD", [(b"transfer-encoding", b"gzip, chunked")], (400, "body_not_allowed")),
+        ("GET", [(b"content-length", b"0")], "forward"),
+        ("HEAD", [(b"content-length", b"00")], "forward"),
+        ("GET", [], "forward"),
+        ("POST", [(b"content-length", b"5")], "work"),
+    ],
+)
+def test_a_read_carries_no_body(
+    method: str, extra: list[tuple[bytes, bytes]], expected: tuple[int, str] | str
+) -> None:
+    """An upstream that ignores a GET's body would read that body as the next request."""
+    path = "/v1/chat/completions" if method == "POST" else "/v1/models"
+    assert outcome(decide("openai", method, path, headers=PLAIN + extra)) == expected
+
+
 def test_an_upgrade_with_no_body_length_zero_is_fine() -> None:
     got = decide(
         "comfyui", "GET", "/ws", websocket=True, headers=[*UPGRADE, (b"content-length", b"0")]
@@ -167,6 +189,97 @@ def test_cross_site_pages_are_refused_on_both_paths() -> None:
         base = UPGRADE if websocket else PLAIN
         got = decide("comfyui", "GET", "/ws", websocket=websocket, headers=base + origin)
         assert outcome(got) == (403, "cross_origin_refused")
+
+
+# One work route per adapter, for the cross-site rows below.
+WORK_ROUTE = {
+    name: next(
+        route.path
+        for route in adapter_for(name).routes
+        if route.route_class is RouteClass.WORK and "POST" in route.methods
+    )
+    for name in adapter_names()
+}
+LISTED = frozenset({"https://app.example"})
+EVIL = (b"origin", b"https://evil.example")
+
+
+@pytest.mark.parametrize("adapter", adapter_names())
+def test_every_adapter_refuses_work_from_another_sites_page(adapter: str) -> None:
+    """A form post or a no-cors fetch from any page the owner has open reaches a loopback
+    listener with the owner's trust: it cannot read the answer, but it spends the GPU."""
+    path = WORK_ROUTE[adapter]
+    got = decide(adapter, "POST", path, headers=[*PLAIN, EVIL])
+    assert outcome(got) == (403, "cross_origin_refused")
+    assert outcome(decide(adapter, "POST", path)) == "work"  # no browser marks: a client
+    listed = decide(
+        adapter,
+        "POST",
+        path,
+        headers=[*PLAIN, (b"origin", b"https://app.example")],
+        cors_origins=LISTED,
+    )
+    assert outcome(listed) == "work"
+
+
+@pytest.mark.parametrize(
+    ("marks", "refused"),
+    [
+        ([], False),
+        ([(b"origin", b"http://127.0.0.1")], False),  # the page is the listener's own
+        ([(b"origin", b"HTTP://127.0.0.1")], False),
+        ([(b"origin", b"http://127.0.0.1"), (b"sec-fetch-site", b"same-origin")], False),
+        ([(b"sec-fetch-site", b"none")], False),  # typed into the address bar
+        ([EVIL], True),
+        ([(b"origin", b"null")], True),  # a sandboxed frame, a data: URL, a file
+        # Another port on the same loopback address: same site, another origin (any local
+        # program's page).
+        ([(b"origin", b"http://127.0.0.1:3000")], True),
+        ([(b"origin", b"http://localhost")], True),
+        ([(b"sec-fetch-site", b"cross-site")], True),
+        ([(b"sec-fetch-site", b"same-site")], True),
+        ([(b"sec-fetch-site", b"Cross-Site")], True),
+        ([(b"origin", b"http://127.0.0.1"), (b"sec-fetch-site", b"cross-site")], True),
+        # A listed origin passes whatever the browser marks it as.
+        ([(b"origin", b"https://app.example"), (b"sec-fetch-site", b"cross-site")], False),
+        ([(b"origin", b"HTTPS://APP.example")], False),
+    ],
+)
+def test_what_a_browser_marks_as_another_sites_request(
+    marks: list[tuple[bytes, bytes]], refused: bool
+) -> None:
+    for adapter, method, path, websocket in (
+        ("openai", "POST", "/v1/chat/completions", False),
+        ("openai", "GET", "/v1/realtime", True),  # browsers never preflight a WebSocket
+        ("ollama", "POST", "/api/show", False),  # not work, but not a GET or HEAD either
+    ):
+        base = UPGRADE if websocket else PLAIN
+        got = decide(
+            adapter, method, path, websocket=websocket, headers=base + marks, cors_origins=LISTED
+        )
+        if refused:
+            assert outcome(got) == (403, "cross_origin_refused"), (adapter, path)
+        else:
+            assert isinstance(got, Forward), (adapter, path, got)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "method", "path", "expected"),
+    [
+        # Reads change nothing, and without CORS the page cannot read the answer.
+        ("ollama", "GET", "/api/tags", "forward"),
+        ("ollama", "HEAD", "/", "forward"),
+        ("openai", "GET", "/v1/models", "forward"),
+        ("llamacpp", "GET", "/health", "forward"),
+        # ComfyUI trusts browsers to refuse other sites' pages and never sees Origin, so
+        # the proxy refuses them on every route, reads included (as ComfyUI itself would).
+        ("comfyui", "GET", "/system_stats", (403, "cross_origin_refused")),
+    ],
+)
+def test_reads_from_another_sites_page_are_judged_as_before(
+    adapter: str, method: str, path: str, expected: tuple[int, str] | str
+) -> None:
+    assert outcome(decide(adapter, method, path, headers=[*PLAIN, EVIL])) == expected
 
 
 @given(

@@ -15,8 +15,10 @@ admission: the upstream never sees a follow-up request; the first answer is one
 well-formed HTTP response; and the connection never becomes a raw tunnel (no 101, and any
 further answers are the proxy's own refusals). Also here: a declared WebSocket route whose
 upstream answers 200 is not tunnelled, oversized heads are refused, the tunnel cap holds
-under simultaneous upgrades, and a refused work request with `Expect: 100-continue` gets
-its refusal rather than `100 Continue`.
+under simultaneous upgrades, a refused work request with `Expect: 100-continue` gets
+its refusal rather than `100 Continue`, and a GET or HEAD carrying a body (which an
+upstream that ignores read bodies would take for the next request) is refused before it
+reaches the upstream.
 
 These tests cross threads and sockets, so they run on the real clock, bounded by
 trio.fail_after.
@@ -748,3 +750,43 @@ async def test_a_refused_work_request_expecting_100_continue_gets_the_refusal(
         assert not plain.since(mark)
     status_line = first.split(b"\r\n")[0]
     assert first.startswith(b"HTTP/1.1 503"), f"the first answer was {status_line!r}"
+
+
+@pytest.mark.parametrize(
+    ("method", "framing"),
+    [("GET", "length"), ("GET", "chunked"), ("HEAD", "length"), ("HEAD", "chunked")],
+)
+async def test_a_read_with_a_body_is_refused_before_the_upstream(
+    plain: PlainUpstream, tmp_path: Path, method: str, framing: str
+) -> None:
+    """An upstream that ignores a GET's body reads that body as the next request on its
+    connection, one the front door never judged. A read that declares a body is refused,
+    its connection closes, and nothing reaches the upstream, not even the read."""
+    hidden = Req("POST", "/v1/files", ((MARK, "in-the-body"),), WORK_BODY).raw()
+    if framing == "length":
+        declared, body = f"Content-Length: {len(hidden)}", hidden
+    else:
+        declared = "Transfer-Encoding: chunked"
+        body = b"%x\r\n" % len(hidden) + hidden + b"\r\n0\r\n\r\n"
+    head = f"{method} /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{declared}\r\n\r\n"
+    follow_up = smuggled("GET", "/v1/models", "after-the-body", last=True)
+    async with in_process_daemon(config(plain.url, tmp_path / "state", "openai")) as daemon:
+        mark = len(plain.requests)
+        received, closed = b"", False
+        stream = await trio.open_tcp_stream(*host_port(daemon.proxy("echo")))
+        async with stream:
+            await _send(stream, head.encode() + body + follow_up.raw())
+            with trio.fail_after(5):
+                while not closed:
+                    chunk = await _receive(stream)
+                    received += chunk
+                    closed = not chunk
+        # The upstream records a request before it answers it, and every answer is in.
+        seen = [(r.method, r.target) for r in plain.since(mark)]
+    parsed = parse_replies(received, [Req(method, "/v1/models"), follow_up], eof=True)
+    assert [reply.status for reply in parsed.replies] == [400], parsed
+    if method == "GET":
+        assert b"body_not_allowed" in parsed.replies[0].body
+    assert b"x-vacancyd-reason: body_not_allowed" in received.lower()
+    assert b"connection: close" in received.lower()
+    assert not seen, f"the upstream saw {seen}"

@@ -124,12 +124,20 @@ STALE = presence(fresh=False, detail="last sample 40s ago")
 INCOMPLETE = presence(evidence_complete=False, detail="reporter silent")
 VETO = presence(veto_engaged=True, detail="steam is running")
 
+
+def not_answering(q: GateInput) -> GateInput:
+    return attrs.evolve(q, upstream_not_answering="timed out: no answer within 300s")
+
+
 RULES = [
     pytest.param(lending_off, Reason.LENDING_DISABLED, 300, None, id="lending-off"),
     pytest.param(UNSAMPLED, Reason.OWNER_ACTIVE, 5, None, id="presence-never-sampled"),
     pytest.param(STALE, Reason.OWNER_ACTIVE, 5, None, id="presence-stale"),
     pytest.param(INCOMPLETE, Reason.OWNER_ACTIVE, 30, None, id="session-evidence-incomplete"),
     pytest.param(VETO, Reason.OWNER_ACTIVE, 120, None, id="owner-veto"),
+    pytest.param(
+        not_answering, Reason.UPSTREAM_UNRESPONSIVE, 30, None, id="upstream-not-answering"
+    ),
     pytest.param(
         resource("gpu0", switch_on=False), Reason.RESOURCE_DISABLED, 300, "gpu0", id="gpu-off"
     ),
@@ -346,6 +354,7 @@ EVERYTHING_WRONG = both(
     UNSAMPLED,
     INCOMPLETE,
     VETO,
+    not_answering,
     resource("gpu0", switch_on=False, quality=Quality.UNKNOWN, lendable=False, spare_mib=0),
     pressure("gpu0", PressureQuality.UNCALIBRATED, engaged=True),
     resource("ram", switch_on=False, quality=Quality.STALE, lendable=False, spare_mib=0),
@@ -365,7 +374,18 @@ LADDER = [
     ("stale", presence(sampled=True), (Reason.OWNER_ACTIVE, 5, None), "stale"),
     ("incomplete", presence(fresh=True), (Reason.OWNER_ACTIVE, 30, None), "cannot be read"),
     ("veto", presence(evidence_complete=True), (Reason.OWNER_ACTIVE, 120, None), "using"),
-    ("gpu-off", presence(veto_engaged=False), (Reason.RESOURCE_DISABLED, 300, "gpu0"), "gpu0"),
+    (
+        "not-answering",
+        presence(veto_engaged=False),
+        (Reason.UPSTREAM_UNRESPONSIVE, 30, None),
+        "stopped answering",
+    ),
+    (
+        "gpu-off",
+        lambda q: attrs.evolve(q, upstream_not_answering=""),
+        (Reason.RESOURCE_DISABLED, 300, "gpu0"),
+        "gpu0",
+    ),
     (
         "gpu-unmeasured",
         resource("gpu0", switch_on=True),
@@ -734,6 +754,7 @@ def gate_inputs(
         presence=draw(presences),
         resources=views,
         need=model_need,
+        upstream_not_answering=draw(st.sampled_from(["", "timed out"])),
     )
 
 
@@ -790,8 +811,9 @@ HINTS = {
     Reason.RESOURCE_UNMEASURED: {30},
     Reason.INSUFFICIENT_CAPACITY: {30},
     Reason.RESOURCE_PRESSURED: {30},
+    Reason.UPSTREAM_UNRESPONSIVE: {30},
 }
-HOST_WIDE = {Reason.LENDING_DISABLED, Reason.OWNER_ACTIVE}
+HOST_WIDE = {Reason.LENDING_DISABLED, Reason.OWNER_ACTIVE, Reason.UPSTREAM_UNRESPONSIVE}
 
 
 @given(gate_inputs())
@@ -869,6 +891,10 @@ def _first_problem(view: ResourceView) -> Reason | None:
 @given(gate_inputs(owner_scope=st.just(OwnerScope.RESOURCE), lending=st.just(True)))
 def test_resource_refusal_names_the_first_resource_with_a_problem(question: GateInput) -> None:
     # Compare against an independent walk so the per-resource order holds for any mix.
+    if question.upstream_not_answering:
+        got = refusal(decide(question))
+        assert (got.reason, got.resource) == (Reason.UPSTREAM_UNRESPONSIVE, None)
+        return
     for view in question.resources:
         problem = _first_problem(view)
         if problem is not None:

@@ -188,7 +188,9 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
             metrics = (await client.get(f"{second.api}/metrics")).text
             assert 'vacancyd_holds{upstream="gen"} 1.0' in metrics
 
-            released = await client.post(f"{second.api}/admin/holds/{hold['job_id']}/release")
+            released = await client.post(
+                f"{second.api}/admin/holds/{hold['job_id']}/release", json={}
+            )
             assert released.status_code == 200, released.text
             assert released.json() == {"released": hold["job_id"], "resources": ["ram"]}
             admitted = await work(client, second)
@@ -315,7 +317,7 @@ async def test_a_corrupt_holds_file_refuses_everything_until_an_admin_clears_it(
         assert (await status(client, daemon))["state_files"] == []
         metrics = (await client.get(f"{daemon.api}/metrics")).text
         assert 'vacancyd_state_file_problems{kind="holds"} 0.0' in metrics
-        again = await client.post(f"{daemon.api}/admin/holds/unreadable/clear")
+        again = await client.post(f"{daemon.api}/admin/holds/unreadable/clear", json={})
         assert again.status_code == 404, again.text
         assert again.json()["error"]["code"] == "no_unreadable_holds"
         code, out, err = await cli("holds", "--api", daemon.api)

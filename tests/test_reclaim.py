@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
+import httpx
 import trio
 import trio.testing
 
 from tests.support.configs import config_from
 from vacancyd.adapters import adapter_for
+from vacancyd.adapters.actions import CancelReport, JobState, UnloadReport, UpstreamContext
 from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import Config
 from vacancyd.model import (
@@ -79,9 +81,10 @@ class RecordingRelay:
     cut_at: float | None = None
     refusal: Refuse | None = None
 
-    def cancel(self, refusal: Refuse) -> None:
+    def cancel(self, refusal: Refuse) -> bool:
         self.cut_at = trio.current_time()
         self.refusal = refusal
+        return True
 
 
 @attrs.define
@@ -278,3 +281,56 @@ async def test_a_corrupt_holds_file_is_reported_and_ignored(tmp_path: Path) -> N
     assert ledger.restore_holds({"gpu0"}) == 0
     (tmp_path / "holds.json").write_text("not json")
     assert ledger.restore_holds({"gpu0"}) == 0
+
+
+@attrs.frozen
+class UnplannedFailures:
+    """An adapter's reclaim calls failing in a way no adapter plans for (the real ones
+    turn every upstream failure into a report; this is what the guard is for)."""
+
+    async def unload(self, ctx: UpstreamContext, ours: frozenset[str]) -> UnloadReport:
+        raise RuntimeError("unplanned")
+
+    async def cancel_jobs(self, ctx: UpstreamContext, job_ids: frozenset[str]) -> CancelReport:
+        raise RuntimeError("unplanned")
+
+    async def job_state(self, ctx: UpstreamContext, job_id: str) -> JobState:
+        raise RuntimeError("unplanned")
+
+
+async def test_a_reclaim_call_that_fails_unexpectedly_holds_the_job_and_keeps_reclaiming(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cancelling and unloading run inside the reclaim task, which is essential: an error
+    there used to end the task, and the daemon with it. Now the jobs it was about are held
+    (none is proved stopped), the unload is reported unconfirmed, and the next edge is
+    reclaimed as usual."""
+    config = reclaim_config("cancel")
+    upstream = config.upstream[0]
+    adapter = attrs.evolve(adapter_for("comfyui"), actions=UnplannedFailures())
+    state = SharedState(config)
+    ledger = Ledger(state)
+    now = trio.current_time()
+    state.record_observation(Observation("gpu0", now, 8192 * MIB, 8000 * MIB))
+    state.record_presence(PresenceReading("test", now, SessionState.LOGGED_OUT))
+    async with httpx.AsyncClient() as client, trio.open_nursery() as nursery:
+        reclaim = UpstreamReclaim(upstream, adapter, state, ledger, client, None)
+        await nursery.start(reclaim.run)
+        job = ledger.try_reserve("a", ("gpu0",), None, job_ids=("p-1",))
+        assert isinstance(job, Reservation)
+        ledger.attach(job, RecordingRelay())
+        state.record_presence(PresenceReading("test", trio.current_time(), SessionState.ACTIVE))
+        await trio.sleep(1.0)
+        record = reclaim.last
+        assert record is not None and record.phase == "done"
+        assert record.upstream_cancel == "error: the cancellation failed (RuntimeError)"
+        assert record.unload.startswith("error: the unload failed (RuntimeError)")
+        assert job.phase is Phase.HELD and "RuntimeError" in job.hold_reason
+        # Still reclaiming: the owner leaves, comes back, and the next edge is answered.
+        state.record_presence(PresenceReading("test", trio.current_time(), SessionState.LOGGED_OUT))
+        await trio.sleep(10.0)
+        state.record_presence(PresenceReading("test", trio.current_time(), SessionState.LOGGED_OUT))
+        state.record_presence(PresenceReading("test", trio.current_time(), SessionState.ACTIVE))
+        await trio.sleep(1.0)
+        assert reclaim.last is not record
+        nursery.cancel_scope.cancel()

@@ -284,7 +284,9 @@ async def test_comfyui_cancel_with_an_unreadable_queue_only_deletes_from_pending
         comfy.queue_reply = lambda document: b'{"queue_running": [[0, '
         async with upstream(comfy.url) as ctx:
             report = await COMFY.cancel_jobs(ctx, frozenset({running, pending}))
-        assert report.error.startswith("could not read the queue (GET /queue did not answer JSON)")
+        assert report.error.startswith(
+            "could not read the queue (GET /queue did not answer usable JSON: it is not JSON"
+        )
         assert report.deleted_pending == report.interrupted == ()
         assert [body(s) for s in calls(comfy, "POST", "/queue")] == [
             {"delete": sorted([running, pending])}
@@ -421,7 +423,10 @@ def padded(document: dict[str, Any]) -> bytes:
 @pytest.mark.parametrize(
     ("fault", "note"),
     [
-        ({"queue_reply": lambda document: b"<html>502 Bad Gateway</html>"}, "did not answer JSON"),
+        (
+            {"queue_reply": lambda document: b"<html>502 Bad Gateway</html>"},
+            "did not answer usable JSON",
+        ),
         ({"queue_reply": lambda document: b'{"queue_running": 1}'}, '"queue_running" is not'),
         ({"queue_reply": lambda document: b'{"queue_running": [[0]]}'}, "a row is not"),
         ({"broken": {"/queue": 503}}, "GET /queue answered 503"),

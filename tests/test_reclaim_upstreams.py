@@ -603,10 +603,10 @@ async def test_a_cut_job_on_a_server_that_keeps_working_is_held_until_an_admin_r
         metrics = (await http.get(f"{daemon.api}/metrics")).text
         assert 'vacancyd_holds{upstream="gen"} 1.0' in metrics
 
-        released = await http.post(f"{daemon.api}/admin/holds/{job_id}/release")
+        released = await http.post(f"{daemon.api}/admin/holds/{job_id}/release", json={})
         assert released.status_code == 200, released.text
         assert released.json() == {"released": job_id, "resources": ["ram"]}
-        again = await http.post(f"{daemon.api}/admin/holds/{job_id}/release")
+        again = await http.post(f"{daemon.api}/admin/holds/{job_id}/release", json={})
         assert again.status_code == 404 and again.json()["error"]["code"] == "unknown_hold"
         assert json.loads(holds.read_text())["data"]["holds"] == []
         admitted = await http.post(chat, json={"prompt": "x"})

@@ -37,6 +37,8 @@ class Script:
         self.connections += 1
         try:
             await self._serve(stream)
+        except trio.BrokenResourceError:
+            pass  # the client closed a connection with bytes unread: a reset
         finally:
             self.closed += 1
             self._closing.set()
@@ -208,3 +210,84 @@ async def test_no_cookie_the_upstream_sets_is_sent_back_on_a_later_request() -> 
         for _ in range(2):
             assert await read_all(await pool.request("GET", b"/v1/models", HOST, None)) == b"ok"
     assert all(b"cookie" not in request.lower() for request in script.requests)
+
+
+# -- a connection is reused only when it is clean (hardening round 3) ----------------------
+
+PLANTED = b"HTTP/1.1 200 OK\r\nset-cookie: session=planted\r\ncontent-length: 7\r\n\r\nplanted"
+
+
+async def _second_answer(first: bytes, method: str = "GET") -> tuple[bytes, int]:
+    """What a second request on the pool reads after the upstream answered the first one
+    with `first` (all in one write), and how many connections the upstream saw."""
+    replies = iter([first, OK])
+
+    async def reply(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(next(replies, OK))
+        return True
+
+    async with serving(reply) as (script, pool):
+        answer = await pool.request(method, b"/v1/models", HOST, None)
+        await read_all(answer)
+        second = await pool.request("GET", b"/v1/models", HOST, None)
+        body = await read_all(second)
+        headers = dict(second.headers)
+    assert b"set-cookie" not in headers
+    return body, script.connections
+
+
+@pytest.mark.parametrize(
+    ("first", "method"),
+    [
+        # A whole second response planted after the real one, in the same write.
+        (OK + PLANTED, "GET"),
+        # A HEAD answered with a body: h11 knows a HEAD's answer has none.
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\nplanted", "HEAD"),
+        # A 304 with a body.
+        (b"HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n\r\nplanted", "GET"),
+        # A Content-Length that counted characters, not bytes: one byte is left over.
+        (b'HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n"\xc3\xa9"', "GET"),
+    ],
+    ids=["planted-response", "head-with-body", "304-with-body", "length-in-characters"],
+)
+async def test_bytes_left_after_an_answer_never_reach_the_next_request(
+    first: bytes, method: str
+) -> None:
+    body, connections = await _second_answer(first, method)
+    assert body == b"ok"
+    assert connections == 2  # the dirty connection was closed, not reused
+
+
+async def test_bytes_arriving_after_the_answer_in_a_later_read_close_the_connection() -> None:
+    # The planted bytes come in their own write after the answer: they wait on the socket.
+    sent = trio.Event()
+
+    async def reply(stream: trio.SocketStream, request: bytes) -> bool:
+        if not sent.is_set():
+            await stream.send_all(OK)
+            await stream.send_all(PLANTED)
+            sent.set()
+            return True
+        await stream.send_all(OK)
+        return True
+
+    async with serving(reply) as (script, pool):
+        answer = await pool.request("GET", b"/v1/models", HOST, None)
+        assert await answer.read() == b"ok"
+        await sent.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await answer.read() is None
+        answer.release()
+        second = await pool.request("GET", b"/v1/models", HOST, None)
+        assert await read_all(second) == b"ok"
+    assert script.connections == 2
+
+
+async def test_protocol_errors_are_reported_without_the_bytes_that_caused_them() -> None:
+    secret = b"borrower-secret-output"
+    broken = b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n" + secret + b"\r\n\r\nabc"
+    async with serving(answering(broken, keep_open=False)) as (_, pool):
+        with pytest.raises(UpstreamError) as caught:
+            await pool.request("GET", b"/", HOST, None)
+    assert str(caught.value).startswith("RemoteProtocolError: ")
+    assert b"secret" not in str(caught.value).encode()

@@ -102,7 +102,7 @@ async def test_the_probe_refuses_while_a_job_is_held_and_opens_when_released(
         held = await probe_until(daemon, 503, "job_held")
         assert_refused(held, "job_held", "300")
         [job] = (await upstream_status(daemon, "lender"))["active_work"]
-        released = await http.post(f"{daemon.api}/admin/holds/{job['job_id']}/release")
+        released = await http.post(f"{daemon.api}/admin/holds/{job['job_id']}/release", json={})
         assert released.status_code == 200, released.text
     await probe_until(daemon, 200)
     assert len(echo.seen) == 1

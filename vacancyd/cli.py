@@ -241,7 +241,12 @@ def _api_target(args: argparse.Namespace, scope: Scope) -> tuple[str, str | None
 
 
 def _call(method: str, url: str, token: str | None, body: Any = None) -> httpx.Response | int:
+    """One request to the API. Anything but a read goes as JSON, `{}` when there is
+    nothing to say: the API refuses other bodies on requests that change something, so
+    that another site's page in the owner's browser cannot forge one."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if body is None and method not in ("GET", "HEAD"):
+        body = {}
     try:
         with httpx.Client(trust_env=False, timeout=10.0) as client:
             return client.request(method, url, headers=headers, json=body)
@@ -340,7 +345,7 @@ def _release(args: argparse.Namespace) -> int:
         return answer
     if args.unreadable_file:
         moved = answer["moved_to"]
-        kept = f"kept as {moved}" if moved else "it was already gone"
+        kept = f"kept as {moved}" if moved else "nothing was moved aside"
         print(f"cleared the holds file {answer['cleared']}; {kept}")
     else:
         print(f"released job {answer['released']}: {', '.join(answer['resources'])}")

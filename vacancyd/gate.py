@@ -6,8 +6,8 @@ the rules readable in one place and testable as a table.
 
 The rules run in a fixed order and the first one that applies wins, so a refusal always
 names the most fundamental reason (lending off beats the owner's lending hours, which beat
-an absent owner, which beats a busy GPU). The ledger's one-job-per-resource check runs
-after this, outside the pure decision.
+an absent owner, which beats a server that stopped answering, which beats a busy GPU). The
+ledger's one-job-per-resource check runs after this, outside the pure decision.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from vacancyd.model import (
     RETRY_RESOURCE_PRESSURED,
     RETRY_RESOURCE_UNMEASURED,
     RETRY_SESSION_INCOMPLETE,
+    RETRY_UPSTREAM_UNRESPONSIVE,
     Admit,
     Decision,
     GateInput,
@@ -51,6 +52,14 @@ def decide(question: GateInput) -> Decision:
         refusal = hours_refusal(question.lending_hours) or owner_refusal(question.presence)
         if refusal is not None:
             return refusal
+    if question.upstream_not_answering:
+        return Refuse(
+            Reason.UPSTREAM_UNRESPONSIVE,
+            RETRY_UPSTREAM_UNRESPONSIVE,
+            "the inference server behind this listener stopped answering; new work waits "
+            "until it answers again",
+            internal=question.upstream_not_answering,
+        )
     for resource in question.resources:
         refusal = resource_refusal(resource)
         if refusal is not None:

@@ -57,6 +57,8 @@ class Reason(enum.Enum):
     JOB_HELD = "job_held"
     # The owner lends only in weekly windows ([owner] lending_hours); this is outside them.
     OUTSIDE_LENDING_HOURS = "outside_lending_hours"
+    # The upstream missed a deadline for an answer and has not answered a health read since.
+    UPSTREAM_UNRESPONSIVE = "upstream_unresponsive"
 
 
 class PressureQuality(enum.Enum):
@@ -220,6 +222,9 @@ class GateInput:
     resources: tuple[ResourceView, ...]
     need: ModelNeed
     lending_hours: LendingHoursView = LendingHoursView()
+    # Why the upstream counts as not answering (it missed a deadline for an answer and
+    # has not answered a health read since); empty while it answers.
+    upstream_not_answering: str = ""
 
 
 @attrs.frozen
@@ -273,5 +278,8 @@ RETRY_JOB_HELD = 300
 # most an hour: a gateway that takes it literally still asks again within the hour (the
 # daemon restarted with other hours, a clock set right) and never sleeps for days.
 RETRY_OUTSIDE_HOURS_MAX = 3600
+# A server that stopped answering is read again every few seconds; a gateway that comes
+# back in half a minute finds it answering again, or is told again.
+RETRY_UPSTREAM_UNRESPONSIVE = 30
 
 MIB = 1024 * 1024

@@ -23,7 +23,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -242,3 +242,17 @@ class StateFileProblems:
     def problems(self) -> tuple[StateFileProblem, ...]:
         with self._lock:
             return tuple(self._by_path[key] for key in sorted(self._by_path))
+
+
+def runtime_directory(environ: Mapping[str, str]) -> Path | None:
+    """Where copies that must outlive a restart, but not a reboot, may go: systemd's
+    RuntimeDirectory ($RUNTIME_DIRECTORY, a tmpfs under /run kept across restarts by the
+    unit's RuntimeDirectoryPreserve), else a `vacancyd` folder in the login session's
+    $XDG_RUNTIME_DIR; None when neither is there."""
+    systemd = environ.get("RUNTIME_DIRECTORY", "").split(":", 1)[0]
+    if systemd:
+        return Path(systemd)
+    session = environ.get("XDG_RUNTIME_DIR", "")
+    if session and Path(session).is_dir():
+        return Path(session) / "vacancyd"
+    return None

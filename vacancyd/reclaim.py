@@ -40,6 +40,7 @@ from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import UpstreamConfig, parse_target
 from vacancyd.edges import Edge, EdgeKind, Trigger
+from vacancyd.errors import log_unexpected
 from vacancyd.gate import hours_refusal, owner_refusal
 from vacancyd.model import (
     MIB,
@@ -203,9 +204,9 @@ class UpstreamReclaim:
             self._hold_unproven(running, record)
         async with trio.open_nursery() as nursery:
             if plan.cancel_upstream_jobs:
-                nursery.start_soon(self._cancel_upstream_jobs, affected, record)
+                nursery.start_soon(self._cancel_upstream_jobs_safely, affected, record)
             if plan.unload:
-                nursery.start_soon(self._unload_and_confirm, record, affected)
+                nursery.start_soon(self._unload_and_confirm_safely, record, affected)
         self._finish(record, "cancelled" if record.cancelled_jobs else "completed")
         return seen
 
@@ -272,6 +273,35 @@ class UpstreamReclaim:
             if pressure.quality is not PressureQuality.READY or pressure.engaged:
                 return False
         return True
+
+    async def _cancel_upstream_jobs_safely(
+        self, affected: list[Reservation], record: ReclaimRecord
+    ) -> None:
+        """Cancel the borrowed jobs; a failure nobody planned for holds every job it was
+        about (none is proved stopped) instead of ending the reclaim task, and with it
+        the daemon."""
+        try:
+            await self._cancel_upstream_jobs(affected, record)
+        except Exception as exc:
+            log_unexpected(log, f"cancelling borrowed jobs on {self.upstream.name}", exc)
+            record.upstream_cancel = f"error: the cancellation failed ({type(exc).__name__})"
+            for reservation in affected:
+                if reservation.job_ids and reservation.phase in (Phase.TRACKING, Phase.FORWARDING):
+                    self._ledger.hold(
+                        reservation,
+                        f"cancelling its upstream job failed ({type(exc).__name__})",
+                    )
+
+    async def _unload_and_confirm_safely(
+        self, record: ReclaimRecord, affected: list[Reservation]
+    ) -> None:
+        """Unload and confirm; a failure nobody planned for is reported as an unload not
+        confirmed, never a reclaim task (and a daemon) that ends."""
+        try:
+            await self._unload_and_confirm(record, affected)
+        except Exception as exc:
+            log_unexpected(log, f"unloading {self.upstream.name}", exc)
+            record.unload = f"error: the unload failed ({type(exc).__name__}); memory NOT confirmed"
 
     async def _cancel_upstream_jobs(
         self, affected: list[Reservation], record: ReclaimRecord

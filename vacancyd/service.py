@@ -4,11 +4,13 @@ The root nursery holds one branch per kind of work, each a nursery of its own op
 with `nursery.start`:
 
     root
-    |-- operations   debug-window, service-notifications (systemd READY / WATCHDOG)
+    |-- operations   debug-window, holds-saver, service-notifications (systemd READY /
+    |                WATCHDOG)
     |-- collectors   owner-controls, collector:nvml, collector:pressure, collector:system,
     |                collector:listeners, presence: everything that writes SharedState
     |-- yield        reclaim:<upstream>, one per upstream
-    |-- proxies      job-trackers, proxy:<upstream>, one listener per upstream
+    |-- proxies      job-trackers, health:<upstream> (reads a server that stopped
+    |                answering), proxy:<upstream>, one listener per upstream
     '-- api          api, the API's listener
 
 Every component is essential and is started into its branch with `nursery.start`, so the
@@ -26,6 +28,7 @@ finish.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -51,11 +54,12 @@ from vacancyd.errors import StartupError
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.model import ResourceKind
 from vacancyd.operations import Operations
-from vacancyd.persist import StateFileProblems, ensure_private_dir
+from vacancyd.persist import StateFileProblems, ensure_private_dir, runtime_directory
 from vacancyd.presence.backends import choose_backend
 from vacancyd.presence.loop import run_presence
 from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
+from vacancyd.proxy.health import HealthWatch
 from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_request
 from vacancyd.published import BoundListeners, PresenceSource, Published
 from vacancyd.reachability import Reachability
@@ -251,7 +255,12 @@ async def run_daemon(
     # The owner's saved switches, before anything can be lent: a pause survives a restart.
     controls = OwnerControls.for_config(state, state_dir, state_files=state_files)
     controls.restore()
-    ledger = Ledger(state, holds_path=state_dir / "holds.json", state_files=state_files)
+    ledger = Ledger(
+        state,
+        holds_path=state_dir / "holds.json",
+        state_files=state_files,
+        runtime_dir=runtime_directory(os.environ if environ is None else environ),
+    )
     restored = ledger.restore_holds(set(state.resources))
     if restored:
         log.warning("%d durable hold(s) restored: those resources refuse until released", restored)
@@ -275,6 +284,8 @@ async def run_daemon(
         operations, collectors, yielding = tree["operations"], tree["collectors"], tree["yield"]
         proxies, api_branch = tree["proxies"], tree["api"]
         await operations.start("debug-window", ops.debug.run)
+        # A hold that could not be saved is saved again until it is (admission/holds.py).
+        await operations.start("holds-saver", ledger.keep_holds_saved)
         # Snooze and lending hours are judged before any listener admits work.
         await collectors.start("owner-controls", controls.run)
 
@@ -381,6 +392,11 @@ async def run_daemon(
                 reachability=published.reachability,
             )
             app.background = background
+            # Reads the server only while it counts as not answering (missed a deadline).
+            health = HealthWatch(
+                upstream.name, adapter, state, app.context(), published.reachability
+            )
+            await proxies.start(f"health:{upstream.name}", health.run)
             reclaims[upstream.name] = UpstreamReclaim(
                 upstream, adapter, state, ledger, client, credential
             )

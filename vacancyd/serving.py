@@ -345,6 +345,11 @@ def hypercorn_config(
 ) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [str(listen)]
+    # Connections the kernel completes while the loop is busy wait in the listen queue;
+    # once it is full, new ones are dropped and their clients retransmit SYNs for seconds.
+    # Room for as many as the listener would serve at once (the kernel caps it at
+    # net.core.somaxconn), and never less than hypercorn's own default.
+    config.backlog = max(limits.max_connections, HypercornConfig.backlog)
     config.keep_alive_timeout = limits.header_timeout_s
     config.graceful_timeout = grace_s
     config.accesslog = None

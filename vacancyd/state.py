@@ -86,6 +86,9 @@ class SharedState:
         self._changed = trio.Event()
         self._sample_wanted = trio.Event()
         self.sample_requests = 0
+        # Upstreams that missed a deadline for an answer: why, and since when (trio time).
+        # Each refuses new work until it answers a health read (proxy/health.py).
+        self.not_answering: dict[str, Failure] = {}
 
     # -- writers -------------------------------------------------------------------------
 
@@ -111,6 +114,17 @@ class SharedState:
         ):
             self.add_edge(EdgeKind.OWNER, reading.taken_at, why or "owner returned")
         self._notify()
+
+    def mark_not_answering(self, upstream: str, why: str) -> None:
+        """An upstream missed a deadline for an answer: refuse its new work from now on."""
+        if upstream not in self.not_answering:
+            self.not_answering[upstream] = Failure(why, trio.current_time())
+            self._notify()
+
+    def mark_answering(self, upstream: str) -> None:
+        """The upstream answered a health read: lend to it again."""
+        if self.not_answering.pop(upstream, None) is not None:
+            self._notify()
 
     def engage_veto_without_reading(self, now: float, reason: str) -> None:
         if self.veto.engage_without_reading(now, reason):
@@ -235,4 +249,9 @@ class SharedState:
             resources=tuple(self.resource_view(name, now) for name in resources),
             need=need,
             lending_hours=self.lending_hours_view(now),
+            upstream_not_answering=_why(self.not_answering.get(upstream)),
         )
+
+
+def _why(failure: Failure | None) -> str:
+    return "" if failure is None else failure.why

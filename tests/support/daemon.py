@@ -12,7 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -119,6 +119,9 @@ def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     # A test run started by systemd must not have its daemons notify (or log to) systemd.
     for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM"):
         env.pop(name, None)
+    # Nor keep copies of its holds in the developer's own runtime directory.
+    for name in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        env.pop(name, None)
     env.update(extra or {})
     return env
 
@@ -130,18 +133,21 @@ async def daemon_process(
     wait_ready: bool = True,
     env: Mapping[str, str] | None = None,
     read_token: str | None = None,
+    preexec_fn: Callable[[], object] | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Start `python -m vacancyd run --config FILE`; stop it with SIGTERM afterwards.
 
     `env` adds to (or overrides) the test's own environment, e.g. the bus address or the
     stand-in NVML library's directory. `read_token` is presented to read /status where
-    loopback is not trusted.
+    loopback is not trusted. `preexec_fn` runs in the child before vacancyd starts (e.g. to
+    set a resource limit the daemon must meet from its first write).
     """
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "vacancyd", "run", "--config", str(config_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=daemon_env(env),
+        preexec_fn=preexec_fn,
     )
     daemon = DaemonProcess(process, [])
     async with trio.open_nursery() as nursery:

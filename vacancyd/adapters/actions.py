@@ -29,7 +29,8 @@ import httpx
 import trio
 
 from vacancyd.config import Target
-from vacancyd.errors import UpstreamError
+from vacancyd.errors import UpstreamError, quiet_detail
+from vacancyd.json_input import JsonRejected, parse_json
 
 # No reply an action reads is allowed to hold more than this in memory. ComfyUI's /queue
 # repeats every queued graph in full, so it is the one that can grow; the rest are small.
@@ -133,15 +134,18 @@ class Reply:
         return 200 <= self.status < 300
 
     def expect_ok(self) -> Reply:
+        # The status only: the body is the upstream's, and may carry a borrower's work.
         if not self.ok:
-            raise UpstreamCallError(f"{self.what} answered {self.status}{_excerpt(self.body)}")
+            raise UpstreamCallError(f"{self.what} answered {self.status}")
         return self
 
     def json(self) -> Any:
+        """The body as JSON, read as hostile input (vacancyd/json_input.py): too large,
+        too deep, or unparsable in any way is UpstreamCallError, like any unusable reply."""
         try:
-            return json.loads(self.body)
-        except ValueError:
-            raise UpstreamCallError(f"{self.what} did not answer JSON") from None
+            return parse_json(self.body, max_bytes=READ_LIMIT_BYTES)
+        except JsonRejected as exc:
+            raise UpstreamCallError(f"{self.what} did not answer usable JSON: {exc}") from None
 
 
 NO_BODY: Any = object()
@@ -176,7 +180,8 @@ async def call(ctx: UpstreamContext, method: str, path: str, body: Any = NO_BODY
         )
         response = await ctx.client.send(request, stream=True)
     except (httpx.HTTPError, httpx.InvalidURL, UnicodeError, ValueError) as exc:
-        raise UpstreamCallError(f"{what} failed: {type(exc).__name__}: {exc}") from None
+        # Named by class: httpx's messages may quote bytes of the upstream's answer.
+        raise UpstreamCallError(f"{what} failed: {_named(exc)}") from None
     try:
         received = bytearray()
         chunks = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
@@ -186,15 +191,17 @@ async def call(ctx: UpstreamContext, method: str, path: str, body: Any = NO_BODY
                 if len(received) > READ_LIMIT_BYTES:
                     raise ReplyTooLarge(what, bytes(received[:READ_LIMIT_BYTES]))
     except httpx.HTTPError as exc:
-        raise UpstreamCallError(f"{what} broke off: {type(exc).__name__}: {exc}") from None
+        raise UpstreamCallError(f"{what} broke off: {_named(exc)}") from None
     finally:
         await response.aclose()
     return Reply(what, response.status_code, bytes(received))
 
 
-def _excerpt(body: bytes) -> str:
-    text = body[:200].decode("utf-8", errors="replace").strip()
-    return f": {text}" if text else ""
+def _named(exc: BaseException) -> str:
+    """The exception's class and, where the system gave one, its error text: httpx's own
+    messages may quote bytes of the upstream's answer (errors.quiet_detail)."""
+    name, detail = type(exc).__name__, quiet_detail(exc)
+    return name if detail == name else f"{name}: {detail}"
 
 
 R = TypeVar("R")

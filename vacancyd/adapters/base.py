@@ -153,6 +153,9 @@ class Adapter:
     stops_on_disconnect: bool = True
     # The dialect of vacancyd's answers on paths no route lists (a 501, a 403).
     dialect: Dialect = Dialect.OPENAI
+    # What vacancyd reads to tell that a server which missed a deadline answers again: a
+    # cheap GET that touches no model (any HTTP answer, even an error status, counts).
+    health_read: str = "/v1/models"
 
     def dialect_for(self, found: Classification) -> Dialect:
         """The dialect of an answer to a classified request: its route's, else the

@@ -101,6 +101,7 @@ def refuse_long_job(path: str, body: Mapping[str, Any]) -> str | None:
 NATIVE = Dialect.CHATTERBOX
 
 CHATTERBOX = Adapter(
+    health_read="/health",
     stops_on_disconnect=False,
     name="chatterbox",
     routes=(

@@ -156,11 +156,17 @@ def model_in_graph(graph: Mapping[str, Any]) -> str | None:
 
 
 def _node_order(node_id: str) -> tuple[int, int, str]:
-    numeric = node_id.isascii() and node_id.isdigit()
-    return (0, int(node_id), "") if numeric else (1, 0, node_id)
+    """Numeric ids by value, then the others as text. The value is compared as digits
+    (by length, then lexically, leading zeros dropped) rather than through int(), which
+    refuses a borrower's id of more than a few thousand digits."""
+    if node_id.isascii() and node_id.isdigit():
+        digits = node_id.lstrip("0") or "0"
+        return (0, len(digits), digits)
+    return (1, 0, node_id)
 
 
 COMFYUI = Adapter(
+    health_read="/system_stats",
     name="comfyui",
     routes=_ROUTES,
     refuse_body=refuse_without_graph,

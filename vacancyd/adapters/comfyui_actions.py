@@ -42,7 +42,6 @@ this module decides from what was read, and sends the requests that change the s
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
@@ -65,6 +64,7 @@ from vacancyd.adapters.comfyui_reads import (
     read_system_stats,
     segment,
 )
+from vacancyd.json_input import JsonRejected, parse_json
 
 ALL_MODELS = "all models"
 # Below this much allocator memory in use, a running row that is not ours is a dead job's.
@@ -325,8 +325,8 @@ async def _has_targeted_interrupt(ctx: UpstreamContext, progress: _CancelProgres
 
 def _json_or_none(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except ValueError:
+        return parse_json(body, max_bytes=READ_LIMIT_BYTES)
+    except JsonRejected:
         return None
 
 

@@ -111,8 +111,8 @@ def scan_queue_prefix(prefix: bytes) -> QueueView:
             pos = skip(pos)
             if not text.startswith("}", pos):
                 pos = skip(pos, ",")
-    except (ValueError, UpstreamCallError):
-        pass  # the end of what could be read
+    except (ValueError, RecursionError, MemoryError, UpstreamCallError):
+        pass  # the end of what could be read (a row nested too deep ends it too)
     return QueueView(tuple(found["queue_running"]), tuple(found["queue_pending"]), complete=False)
 
 

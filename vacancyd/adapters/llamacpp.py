@@ -12,6 +12,7 @@ from vacancyd.adapters.llamacpp_residency import LlamaCppResidency
 from vacancyd.adapters.openai import OPENAI_READS, OPENAI_WORK, refuse_background_response
 
 LLAMACPP = Adapter(
+    health_read="/health",
     name="llamacpp",
     routes=(
         *OPENAI_WORK,

@@ -16,6 +16,7 @@ from vacancyd.adapters.openai import refuse_background_response
 NATIVE = Dialect.OLLAMA
 
 OLLAMA = Adapter(
+    health_read="/api/version",
     name="ollama",
     routes=(
         *work("/api/generate", "/api/chat", "/api/embed", "/api/embeddings", dialect=NATIVE),

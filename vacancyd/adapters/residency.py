@@ -9,7 +9,7 @@ every few seconds rather than one each. A reading that fails is a proof of nothi
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -18,7 +18,10 @@ import trio
 
 from vacancyd.adapters.actions import UpstreamCallError, UpstreamContext
 from vacancyd.admission import PROOF_MAX_AGE_S
+from vacancyd.errors import log_unexpected
 from vacancyd.model import Residency
+
+log = logging.getLogger(__name__)
 
 # The longest a residency read may take; past it the request is judged without credit.
 READ_DEADLINE_S = 2.0
@@ -70,14 +73,27 @@ class ResidencyWatch:
             return Residency(
                 False, self._taken_at, self._prover.source, f"cannot read: {self._error}"
             )
-        return self._prover.judge(self._reading, request, self._taken_at)
+        try:
+            return self._prover.judge(self._reading, request, self._taken_at)
+        except Exception as exc:
+            log_unexpected(log, f"judging {self._prover.source}", exc)
+            return Residency(
+                False, self._taken_at, self._prover.source, "the reading could not be judged"
+            )
 
     async def learn(self, request: WorkRequest) -> None:
-        # Nothing learned this time is fine: the next load teaches it.
-        with trio.move_on_after(READ_DEADLINE_S), contextlib.suppress(UpstreamCallError):
-            await self._prover.learn(self._context, request)
+        """Runs in the background after a load: it never raises, since nothing learned
+        this time is fine (the next load teaches it)."""
+        with trio.move_on_after(READ_DEADLINE_S):
+            try:
+                await self._prover.learn(self._context, request)
+            except UpstreamCallError:
+                pass
+            except Exception as exc:
+                log_unexpected(log, f"learning from {self._prover.source}", exc)
 
     async def _read(self) -> None:
+        """Read the server; any failure, planned for or not, is a proof of nothing."""
         taken_at = trio.current_time()
         self._error = ""
         with trio.move_on_after(READ_DEADLINE_S) as timer:
@@ -85,6 +101,9 @@ class ResidencyWatch:
                 self._reading = await self._prover.read(self._context)
             except UpstreamCallError as exc:
                 self._error = str(exc)
+            except Exception as exc:
+                log_unexpected(log, f"reading {self._prover.source}", exc)
+                self._error = f"the reading failed ({type(exc).__name__})"
         if timer.cancelled_caught:
             self._error = f"no answer within {READ_DEADLINE_S:g}s"
         self._taken_at = taken_at

@@ -342,6 +342,11 @@ class Admission:
             )
         return refusal
 
+    def note_not_answering(self, upstream: str, why: str) -> None:
+        """The upstream missed a deadline for an answer: its new work is refused
+        (`upstream_unresponsive`) until it answers a health read (proxy/health.py)."""
+        self._state.mark_not_answering(upstream, why)
+
     def note_yield(self, upstream: UpstreamConfig) -> None:
         """The upstream was asked to unload: residency read before now proves nothing."""
         self._ledger.note_yield((upstream.resource, *upstream.also_requires))

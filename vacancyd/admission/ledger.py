@@ -53,6 +53,10 @@ log = logging.getLogger("vacancyd.admission")
 
 _job_ids = itertools.count(1)
 
+# After a failed save of the holds: the first retry, and the longest pause between two.
+RESAVE_FIRST_S = 1.0
+RESAVE_MAX_S = 30.0
+
 
 @attrs.frozen
 class LedgerStatistics:
@@ -73,13 +77,17 @@ class Ledger:
         holds_path: Path | None = None,
         *,
         state_files: StateFileProblems | None = None,
+        runtime_dir: Path | None = None,
     ) -> None:
         self._state = state
         # Where an untrusted holds file is reported; the service shares one across its parts.
         self.state_files = StateFileProblems() if state_files is None else state_files
         self._jobs: dict[str, list[Reservation]] = {}
         self._relays: dict[int, RelayHandle] = {}
-        self._holds = HoldsFile(holds_path)
+        # `runtime_dir` keeps a copy of the holds while the file cannot be written.
+        self._holds = HoldsFile(holds_path, self.state_files, runtime_dir)
+        # Set when a save fails: `keep_holds_saved` tries again until one succeeds.
+        self._save_failed = trio.Event()
         self._released_at: dict[str, float] = {}
         # When each resource last saw a job end or its upstream yield memory: a residency
         # proof must be newer than both (a model a yield unloaded is not resident).
@@ -310,12 +318,12 @@ class Ledger:
         return [r for r in self._unique_entries() if r.upstream == upstream]
 
     def cancel(self, reservation: Reservation, refusal: Refuse) -> bool:
-        """Stop the proxied request of a job, if it is still being relayed."""
+        """Stop the proxied request of a job, if it is still being relayed; False when
+        there was none, or its whole answer had already gone to the borrower."""
         handle = self._relays.pop(reservation.job_id, None)
         if handle is None:
             return False
-        handle.cancel(refusal)
-        return True
+        return handle.cancel(refusal)
 
     # -- durable holds -----------------------------------------------------------------------
 
@@ -327,9 +335,10 @@ class Ledger:
         """
         entries = self._holds.load(known_resources)
         if self._holds.unreadable is not None:
+            # Everything refuses until an admin clears it; what could be read still holds
+            # after that.
             self.state_files.report(self._holds.unreadable)
             self._state.notify()
-            return 0
         for entry in entries:
             reservation = Reservation(
                 job_id=next(_job_ids),
@@ -352,27 +361,64 @@ class Ledger:
                 reservation.resources,
                 reservation.started_at,
             )
-        if entries:
-            self._save_holds()
+        if self._holds.unreadable is not None:
+            return len(entries)
+        # Written back at every start: a file that cannot be written now may mean the run
+        # before this one could not save a hold either, and nothing says which.
+        self._save_holds()
+        why = self._holds.not_saved
+        if why is not None:
+            self.state_files.report(self._holds.distrust_start(why, known_resources))
+            self._state.notify()
         return len(entries)
 
-    def _save_holds(self) -> None:
-        self._holds.save(
-            [
-                {
-                    "job_id": r.job_id,
-                    "upstream": r.upstream,
-                    "borrower": r.borrower,
-                    "resources": list(r.resources),
-                    "model": r.model,
-                    "job_ids": list(r.job_ids),
-                    "reason": r.hold_reason,
-                    "since": r.held_since,
-                }
-                for r in self._unique_entries()
-                if r.phase is Phase.HELD
-            ]
-        )
+    def _save_holds(self) -> str | None:
+        """Save the holds in effect; None when saved, else why not (a failed save is
+        reported and retried by `keep_holds_saved`)."""
+        not_saved = self._holds.save(self._held_entries())
+        if self._holds.not_saved is not None:
+            self._save_failed.set()
+        return not_saved
+
+    @property
+    def holds_not_saved(self) -> str | None:
+        """Why the holds in effect now are not on disk (None when they are)."""
+        if self._holds.unreadable is not None:
+            return f"{self._holds.unreadable.path} is untrusted until an admin clears it"
+        return self._holds.not_saved
+
+    async def keep_holds_saved(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Until cancelled: after a failed save, save again with a growing pause (up to
+        RESAVE_MAX_S) until a save succeeds. A hold is never left unsaved without a try
+        at least that often."""
+        task_status.started()
+        while True:
+            await self._save_failed.wait()
+            self._save_failed = trio.Event()
+            pause = RESAVE_FIRST_S
+            while self._holds.not_saved is not None and self._holds.unreadable is None:
+                await trio.sleep(pause)
+                pause = min(pause * 2, RESAVE_MAX_S)
+                self._holds.save(self._held_entries())
+            self._save_failed = trio.Event()
+
+    def _held_entries(self) -> list[dict[str, object]]:
+        return [
+            {
+                "job_id": r.job_id,
+                "upstream": r.upstream,
+                "borrower": r.borrower,
+                "resources": list(r.resources),
+                "model": r.model,
+                "job_ids": list(r.job_ids),
+                "reason": r.hold_reason,
+                "since": r.held_since,
+            }
+            for r in self._unique_entries()
+            if r.phase is Phase.HELD
+        ]
 
     @property
     def unreadable_holds(self) -> StateFileProblem | None:
@@ -386,7 +432,7 @@ class Ledger:
         already gone). The holds this run knows of are then saved to a fresh file. Raises
         OSError, still refusing, when the file cannot be moved.
         """
-        cleared = self._holds.clear(why)
+        cleared = self._holds.clear(why, self._held_entries())
         if cleared is None:
             return None
         problem, moved = cleared

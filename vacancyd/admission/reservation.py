@@ -21,7 +21,10 @@ from vacancyd.model import Refuse
 class RelayHandle(Protocol):
     """How reclaim stops a proxied request: the proxy registers one per admitted job."""
 
-    def cancel(self, refusal: Refuse) -> None: ...
+    def cancel(self, refusal: Refuse) -> bool:
+        """Cut the request; False when there was nothing left to cut (its whole answer
+        had already been handed to the borrower)."""
+        ...
 
 
 @attrs.frozen

@@ -1,20 +1,30 @@
 """The API app (quart-trio): probes, status, metrics, admin switches and the owner console.
 
 /healthz and /readyz are public and say nothing about the owner; everything that does
-needs the read scope, and anything that changes behaviour needs admin.
+needs the read scope, and anything that changes behaviour needs admin. Whatever reaches
+a handler has passed vacancyd.api.intake: a request that changes anything came from no
+other site's page and says it is JSON, and its body is read under the listener's
+deadlines. Every answer, errors included, is the API's JSON shape: an exception no
+handler expected becomes a 500 with a fixed message and one log line, never a traceback
+page or a screenful of log.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.datastructures import Headers
+from werkzeug.exceptions import HTTPException
 
 from vacancyd.admission import Admission, Ledger
+from vacancyd.api.intake import Refused, RenderSlots, cross_site_refusal, read_body
 from vacancyd.api.metrics import CONTENT_TYPE, VacancydCollector, open_registry, render
 from vacancyd.api.operator import OperatorTools, add_operator_routes
 from vacancyd.api.owner import lending_request, lending_status
@@ -25,12 +35,21 @@ from vacancyd.config import Scope
 from vacancyd.controls import OwnerControls
 from vacancyd.decisions import DecisionLog
 from vacancyd.footprint.book import FootprintBook
+from vacancyd.json_input import JsonRejected, parse_json
 from vacancyd.published import Published
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard
 from vacancyd.state import SharedState
 
+log = logging.getLogger(__name__)
+
 MAX_ADMIN_BODY = 64 * 1024
+# /status, /metrics and /admin/diagnostics rendered at once, and how long a reader waits
+# for a turn before it is told to come back (503, Retry-After 1). A few slots keep the
+# owner's own reads (the console polls every 3 s) going while a flood is turned away.
+RENDER_SLOTS = 4
+RENDER_WAIT_S = 1.0
+BUSY_REASON = "api_busy"
 
 # The owner console's files (vacancyd/api/console/) and their types; nothing else is served.
 CONSOLE_FILES = {
@@ -62,6 +81,31 @@ def _error(status: int, code: str, message: str) -> Response:
     return response
 
 
+def _refused(refusal: Refused) -> Response:
+    response = _error(refusal.status, refusal.code, refusal.message)
+    if refusal.close:
+        response.headers["Connection"] = "close"
+    return response
+
+
+def _busy() -> Response:
+    """A reader turned away while every render slot is taken: come back in a second."""
+    response = _error(
+        503,
+        BUSY_REASON,
+        "the API is busy answering other readers; retry in a second",
+    )
+    response.headers["Retry-After"] = "1"
+    response.headers["X-Vacancyd-Reason"] = BUSY_REASON
+    return response
+
+
+def _has_body(headers: Headers) -> bool:
+    """Whether the request announced a body (which a refusal leaves unread)."""
+    length = headers.get("Content-Length")
+    return "Transfer-Encoding" in headers or (length is not None and length.strip() != "0")
+
+
 def _console_file(name: str) -> Response:
     body = resources.files("vacancyd.api").joinpath("console", name).read_bytes()
     response = Response(body, content_type=CONSOLE_FILES[name])
@@ -79,6 +123,17 @@ def _not_saved(why: str) -> Response:
         "not_saved",
         f"the switch is in effect now, but it could not be saved ({why}): "
         "a restart would restore the last saved switches",
+    )
+
+
+def _holds_not_saved(done: str, why: str) -> Response:
+    """A hold change is in effect, but the holds file does not show it: a restart would go
+    back to the holds last saved (vacancyd keeps trying to save them)."""
+    return _error(
+        500,
+        "not_saved",
+        f"{done}, but the durable holds could not be saved ({why}): a restart would "
+        "restore the holds last saved; vacancyd keeps trying to save them",
     )
 
 
@@ -102,6 +157,91 @@ def create_api_app(
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
     app.config["RESPONSE_TIMEOUT"] = None
     registry = open_registry(VacancydCollector(state, published, ledger, decisions, auth, reclaims))
+    limits = state.config.server.limits
+    slots = RenderSlots(RENDER_SLOTS, RENDER_WAIT_S)
+
+    @app.before_request
+    async def from_this_origin_as_json() -> Response | None:
+        """Every request that may change something, on any route present or future: not
+        from another site's page, and JSON (vacancyd.api.intake says why)."""
+        headers = request.headers
+        refusal = cross_site_refusal(
+            request.method,
+            headers.getlist("Origin"),
+            headers.getlist("Sec-Fetch-Site"),
+            headers.getlist("Content-Type"),
+            headers.get("Host"),
+        )
+        if refusal is None:
+            return None
+        response = _refused(refusal)
+        if _has_body(headers):  # left unread: the connection cannot carry another request
+            response.headers["Connection"] = "close"
+        return response
+
+    @app.errorhandler(Refused)
+    async def refused(error: Refused) -> Response:
+        return _refused(error)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response | HTTPException:
+        """Quart's own answers (no such route, wrong method) in the API's JSON shape."""
+        if error.code is None or error.code < 400:
+            return error
+        name = error.name or "error"
+        response = _error(error.code, name.lower().replace(" ", "_"), error.description or name)
+        for header, value in error.get_headers():
+            if header.lower() == "allow":
+                response.headers["Allow"] = value
+        return response
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception) -> Response:
+        """A bug, or a part of the daemon failing under a handler: one line at ERROR
+        naming the route and the exception's class, the traceback only at DEBUG. A
+        traceback per failed request would fill the journal and push everything else out
+        of the diagnostics log ring."""
+        rule = request.url_rule.rule if request.url_rule is not None else "(no route)"
+        log.error(
+            "%s %s failed: %s (answered 500; the traceback is logged at debug level)",
+            request.method,
+            rule,
+            type(error).__name__,
+        )
+        log.debug("%s %s failed", request.method, rule, exc_info=error)
+        return _error(
+            500, "internal_error", "the daemon could not answer this request; see its log"
+        )
+
+    async def rendered(build: Callable[[], Awaitable[Response]]) -> Response:
+        """A costly document, built only while holding one of a few render slots."""
+        async with slots.slot() as got:
+            if not got:
+                return _busy()
+            return await build()
+
+    async def admin_payload() -> Any:
+        """The body as one JSON document, read under the listener's body deadlines; None
+        when it is not one (each route then answers 400 with the body it expects)."""
+        data = await read_body(request.body, limits)
+        try:
+            return parse_json(data, max_bytes=MAX_ADMIN_BODY)
+        except JsonRejected:
+            return None
+
+    async def no_arguments() -> Response | None:
+        """For a route that takes nothing: an empty body or `{}` (what the console and the
+        command line send), read like any other; anything else is 400."""
+        data = await read_body(request.body, limits)
+        if not data.strip():
+            return None
+        try:
+            payload = parse_json(data, max_bytes=MAX_ADMIN_BODY)
+        except JsonRejected:
+            payload = None
+        if payload == {}:
+            return None
+        return _error(400, "invalid_body", "expected no body, or the JSON body {}")
 
     def denied(scope: Scope) -> Response | None:
         client = request.scope.get("client")
@@ -139,15 +279,20 @@ def create_api_app(
 
     @app.get("/status")
     async def status() -> Response:
-        return denied(Scope.READ) or _json(status_now())
+        async def build() -> Response:
+            return _json(status_now())
+
+        return denied(Scope.READ) or await rendered(build)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return denied(Scope.READ) or Response(render(registry), content_type=CONTENT_TYPE)
+        async def build() -> Response:
+            return Response(render(registry), content_type=CONTENT_TYPE)
+
+        return denied(Scope.READ) or await rendered(build)
 
     async def switch_body() -> bool | Response:
-        # Only application/json: a cross-site form or text/plain POST cannot flip a switch.
-        payload = await request.get_json(silent=True)
+        payload = await admin_payload()
         if not isinstance(payload, dict) or type(payload.get("enabled")) is not bool:
             return _error(400, "invalid_body", 'expected a JSON body {"enabled": true|false}')
         return bool(payload["enabled"])
@@ -157,8 +302,7 @@ def create_api_app(
         refusal = denied(Scope.ADMIN)
         if refusal is not None:
             return refusal
-        # Only application/json: a cross-site form or text/plain POST cannot flip a switch.
-        asked = lending_request(await request.get_json(silent=True))
+        asked = lending_request(await admin_payload())
         if isinstance(asked, str):
             return _error(400, "invalid_body", asked)
         enabled, for_s = asked
@@ -188,17 +332,20 @@ def create_api_app(
 
     @app.post("/admin/holds/<int:job_id>/release")
     async def admin_release_hold(job_id: int) -> Response:
-        refusal = denied(Scope.ADMIN)
+        refusal = denied(Scope.ADMIN) or await no_arguments()
         if refusal is not None:
             return refusal
         released = ledger.release_hold(job_id, "released by an admin")
         if released is None:
             return _error(404, "unknown_hold", f"no durable hold for job {job_id}")
+        not_saved = ledger.holds_not_saved
+        if not_saved is not None:
+            return _holds_not_saved(f"job {job_id} is released now", not_saved)
         return _json({"released": job_id, "resources": list(released.resources)})
 
     @app.post("/admin/holds/unreadable/clear")
     async def admin_clear_unreadable_holds() -> Response:
-        refusal = denied(Scope.ADMIN)
+        refusal = denied(Scope.ADMIN) or await no_arguments()
         if refusal is not None:
             return refusal
         problem = ledger.unreadable_holds
@@ -207,8 +354,11 @@ def create_api_app(
         try:
             moved = ledger.clear_unreadable_holds("cleared by an admin")
         except OSError as exc:
-            message = f"cannot move {problem.path} aside: {exc.strerror or exc}"
+            message = f"cannot clear {problem.path}: {exc.strerror or exc}; it still refuses"
             return _error(500, "cannot_clear", message)
+        not_saved = ledger.holds_not_saved
+        if not_saved is not None:
+            return _holds_not_saved(f"{problem.path} is cleared now", not_saved)
         return _json(
             {
                 "cleared": problem.path,
@@ -222,6 +372,8 @@ def create_api_app(
             app,
             operator,
             denied=lambda: denied(Scope.ADMIN),
+            payload=admin_payload,
+            rendered=rendered,
             status=status_now,
             config=state.config,
             decisions=decisions,

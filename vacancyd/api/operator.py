@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import cattrs
 import trio
-from quart import Response, request
+from quart import Response
 from quart_trio import QuartTrio
 
 from vacancyd.config import Config
@@ -31,6 +31,8 @@ from vacancyd.watchdog import Health
 _plain = cattrs.Converter()
 
 JsonReply = Callable[..., Response]
+# Builds a costly answer within one of the API's few render slots (vacancyd.api.intake).
+Rendered = Callable[[Callable[[], Awaitable[Response]]], Awaitable[Response]]
 
 
 @attrs.frozen
@@ -135,21 +137,25 @@ def add_operator_routes(
     tools: OperatorTools,
     *,
     denied: Callable[[], Response | None],
+    payload: Callable[[], Awaitable[Any]],
+    rendered: Rendered,
     status: Callable[[], dict[str, Any]],
     config: Config,
     decisions: DecisionLog,
     reply: JsonReply,
     error: JsonReply,
 ) -> None:
-    """Register POST /admin/debug and GET /admin/diagnostics; `denied` checks admin."""
+    """Register POST /admin/debug and GET /admin/diagnostics; `denied` checks admin,
+    `payload` reads the request's JSON body (None when it is not JSON) and `rendered`
+    builds the diagnostics within a render slot."""
 
     @app.post("/admin/debug")
     async def admin_debug() -> Response:
         refusal = denied()
         if refusal is not None:
             return refusal
-        payload = await request.get_json(silent=True)
-        seconds = _seconds(payload.get("for_s") if isinstance(payload, dict) else None)
+        body = await payload()
+        seconds = _seconds(body.get("for_s") if isinstance(body, dict) else None)
         if seconds is None:
             return error(
                 400,
@@ -170,4 +176,8 @@ def add_operator_routes(
         refusal = denied()
         if refusal is not None:
             return refusal
-        return reply(await diagnostics_document(tools, status(), config, decisions))
+
+        async def build() -> Response:
+            return reply(await diagnostics_document(tools, status(), config, decisions))
+
+        return await rendered(build)

@@ -63,8 +63,9 @@ def lending_hours_status(state: SharedState, now: float) -> dict[str, Any]:
 def lending_request(payload: Any) -> tuple[bool, float | None] | str:
     """(enabled, for_s) from an admin body, or what is wrong with it.
 
-    Only application/json reaches here (a cross-site form cannot flip a switch); a
-    number is an int or a float, never a bool.
+    `payload` is the parsed JSON body, or None when the body was not one JSON document;
+    a request sent as anything but application/json, or from another site's page, never
+    gets this far (vacancyd.api.intake). A number is an int or a float, never a bool.
     """
     if not isinstance(payload, dict) or type(payload.get("enabled")) is not bool:
         return LENDING_BODY

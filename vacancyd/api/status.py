@@ -108,7 +108,9 @@ def status_document(
                     _reservation(r, now) for r in stats.entries if r.upstream == u.name
                 ],
                 "unseen_gpu_work": u.name in unseen_gpu_work,
-                "reachability": reachability_status(published.reachability, u.name, now),
+                "reachability": reachability_status(
+                    published.reachability, u.name, now, state.not_answering.get(u.name)
+                ),
                 "reclaim": _reclaim(reclaims.get(u.name), now),
                 **_decisions(decisions, u.name, now),
             }

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vacancyd.accounting import BorrowerAccounting
+from vacancyd.judgement import Failure
 from vacancyd.reachability import Reachability
 
 
@@ -43,8 +44,11 @@ def borrowers_status(accounting: BorrowerAccounting, now: float) -> dict[str, An
     return document
 
 
-def reachability_status(reachability: Reachability, upstream: str, now: float) -> dict[str, Any]:
-    """/status `upstreams.<name>.reachability`: does it answer at all, and since when not."""
+def reachability_status(
+    reachability: Reachability, upstream: str, now: float, not_answering: Failure | None = None
+) -> dict[str, Any]:
+    """/status `upstreams.<name>.reachability`: does it answer at all, and since when not;
+    `not_answering` says why new work is refused while it waits for a health read."""
     view = reachability.view(upstream)
     return {
         "ok": view.ok,
@@ -52,6 +56,9 @@ def reachability_status(reachability: Reachability, upstream: str, now: float) -
         "last_error_age_s": _age(now, view.last_error_at),
         "last_ok_age_s": _age(now, view.last_ok_at),
         "errors": view.errors,
+        "not_answering": None
+        if not_answering is None
+        else {"why": not_answering.why, "since_s": _age(now, not_answering.at)},
     }
 
 

@@ -81,6 +81,14 @@ class LimitsConfig:
     max_websockets: int = attrs.field(default=64, metadata=_ge(1))
     websocket_idle_timeout_s: float = attrs.field(default=600.0, metadata=_gt(0))
     upstream_connect_timeout_s: float = attrs.field(default=5.0, metadata=_gt(0))
+    # How long an upstream may take to start answering (its response head), from the
+    # moment the request is sent: work routes get long, since a model may load first and
+    # a request that is not streamed answers only at the end; pass-through reads are short.
+    work_first_byte_timeout_s: float = attrs.field(default=300.0, metadata=_gt(0))
+    pass_first_byte_timeout_s: float = attrs.field(default=30.0, metadata=_gt(0))
+    # The longest silence between two pieces of an answer's body (a streamed generation
+    # sends a token every fraction of a second; a stopped server sends nothing at all).
+    upstream_idle_timeout_s: float = attrs.field(default=120.0, metadata=_gt(0))
 
     @property
     def buffered_budget_mib(self) -> int:

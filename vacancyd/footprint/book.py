@@ -29,6 +29,7 @@ import httpx
 import trio
 
 from vacancyd.config import UpstreamConfig
+from vacancyd.errors import log_unexpected
 from vacancyd.footprint.estimate import estimate
 from vacancyd.footprint.geometry import GeometryError, geometry_from_ollama_model_info
 from vacancyd.footprint.gguf_reader import GGUFError, read_geometry
@@ -135,6 +136,11 @@ def _estimate_blocking(upstream: UpstreamConfig, model: str) -> tuple[int | None
                 return None, "no geometry source for this adapter"
     except (SourceError, GGUFError, GeometryError, OSError, httpx.HTTPError) as exc:
         return None, f"cannot estimate: {exc}"
+    except Exception as exc:
+        # The server's answers are outside input: a shape nobody planned for means no
+        # estimate (the default footprint is charged), never a borrower's 500.
+        log_unexpected(log, f"estimating {model or 'its model'} on {upstream.name}", exc)
+        return None, f"cannot estimate ({type(exc).__name__})"
     result = estimate(geometry, context, parallel)
     parts = (
         f"weights {result.weights_mib} + KV {result.kv_cache_mib} + recurrent "

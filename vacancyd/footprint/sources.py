@@ -13,12 +13,14 @@ SourceError that says which URL answered what.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Final
 
 import attrs
 import httpx
+
+from vacancyd.errors import quiet_detail
+from vacancyd.json_input import JsonRejected, parse_json
 
 MAX_REPLY_BYTES: Final = 64 * 1024 * 1024
 _NUM_CTX: Final = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
@@ -89,7 +91,8 @@ def _ollama_size(client: httpx.Client, target: str, model: str) -> int | None:
     except SourceError:
         return None
     names = {model, model if ":" in model else f"{model}:latest"}
-    for entry in tags.get("models") or []:
+    listed = tags.get("models")
+    for entry in listed if isinstance(listed, list) else []:
         if isinstance(entry, dict) and (entry.get("name") in names or entry.get("model") in names):
             return _positive_or_none(entry.get("size"))
     return None
@@ -105,14 +108,14 @@ def _json(client: httpx.Client, method: str, url: str, body: Any = None) -> dict
                     raise SourceError(f"{url} answered more than {MAX_REPLY_BYTES} bytes")
             status = response.status_code
     except httpx.HTTPError as exc:
-        raise SourceError(f"cannot reach {url}: {exc}") from exc
+        # By class: httpx's messages may quote bytes of the server's answer.
+        raise SourceError(f"cannot reach {url}: {type(exc).__name__}: {quiet_detail(exc)}") from exc
     if status != 200:
-        text = bytes(raw[:300]).decode("utf-8", errors="replace").strip()
-        raise SourceError(f"{url} answered {status}: {text}")
+        raise SourceError(f"{url} answered {status}")
     try:
-        document = json.loads(raw)
-    except ValueError as exc:
-        raise SourceError(f"{url} did not answer JSON: {exc}") from exc
+        document = parse_json(bytes(raw), max_bytes=MAX_REPLY_BYTES)
+    except JsonRejected as exc:
+        raise SourceError(f"{url} did not answer usable JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise SourceError(f"{url} did not answer a JSON object")
     return document

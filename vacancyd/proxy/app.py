@@ -29,7 +29,9 @@ from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
 from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, UpstreamConfig, parse_target
+from vacancyd.errors import log_unexpected
 from vacancyd.footprint.book import FootprintBook
+from vacancyd.json_input import JsonRejected, parse_json
 from vacancyd.model import MIB, Refuse, Residency
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
 from vacancyd.proxy.cors import cross_origin_send, preflight_answer
@@ -91,6 +93,7 @@ class ProxyApp:
             self.target,
             self._pool,
             admission,
+            limits,
             credential=credential,
             drop_request_headers=adapter.drop_request_headers,
             reachability=reachability,
@@ -284,10 +287,15 @@ class ProxyApp:
             self.background.start_soon(self._measure_load, job)
 
     async def _measure_load(self, job: Reservation) -> None:
+        """In the background: a footprint not learned this time is learned next time, so
+        a failure is logged once and never reaches the job-trackers' nursery."""
         assert self.footprints is not None
-        fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
-        for resource, mib in fell.items():
-            self.footprints.measure(self.upstream.name, job.model, resource, mib)
+        try:
+            fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
+            for resource, mib in fell.items():
+                self.footprints.measure(self.upstream.name, job.model, resource, mib)
+        except Exception as exc:
+            log_unexpected(log, f"measuring the load of {job.model or 'a model'}", exc)
 
     def context(self) -> UpstreamContext:
         return UpstreamContext(self._client, self.target, self._credential)
@@ -356,13 +364,14 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def _parse_json_object(body: bytes) -> Mapping[str, Any] | str:
-    """The body as a JSON object, or a message saying why it is not one."""
+    """The body as a JSON object, or a message saying why it is not one (a borrower's
+    body is outside input: too deep or too odd to parse is a 400, never a 500)."""
     if not body:
         return "this route needs a JSON body"
     try:
-        parsed = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"request body is not valid JSON: {exc}"
+        parsed = parse_json(body, max_bytes=len(body))
+    except JsonRejected as exc:
+        return f"request body is not usable JSON: {exc}"
     if not isinstance(parsed, dict):
         return "request body must be a JSON object"
     return parsed

@@ -14,6 +14,11 @@ own CORS settings were made for its owner, not for borrowers. So:
 * Every other answer to a request with an `Origin` loses the upstream's own
   `Access-Control-*` headers and gains vacancyd's for an allowed origin, including
   `Access-Control-Expose-Headers` for the refusal headers a page needs to fail over.
+  This holds for an upstream's refusal of a WebSocket upgrade too.
+* Being unreadable is not enough for work: a page can send a form post or a no-cors
+  `fetch` without a preflight, and open a WebSocket, whose answers it never needs to
+  read. The front door (proxy/policy.py) therefore refuses other origins' work requests
+  and upgrades outright, unless the origin is allowed here.
 
 A wildcard is never allowed: with loopback trust, any page open in the owner's browser
 could then borrow the GPU and read the answers.
@@ -71,23 +76,34 @@ def preflight_answer(
     return answer
 
 
+def cors_response_headers(
+    headers: Headers, origin: bytes, allowed: Collection[str]
+) -> list[tuple[bytes, bytes]]:
+    """An answer's headers for a request that came with `origin`, CORS decided by vacancyd:
+    the upstream's own `Access-Control-*` headers are dropped (they were set for its owner,
+    perhaps as a wildcard), and vacancyd's are added for an origin on `allowed` only.
+
+    The one rule for every answer to a browser's request: forwarded answers and vacancyd's
+    own (`cross_origin_send`), and the upstream's refusal of a WebSocket upgrade
+    (proxy/tunnel.py)."""
+    kept = [
+        (name, value) for name, value in headers if not name.lower().startswith(b"access-control-")
+    ]
+    if is_allowed(origin, allowed):
+        kept += [
+            (b"access-control-allow-origin", origin.strip()),
+            (b"access-control-expose-headers", EXPOSED_HEADERS),
+            (b"vary", b"origin"),
+        ]
+    return kept
+
+
 def cross_origin_send(send: Any, origin: bytes, allowed: Collection[str]) -> Any:
-    """Wrap an ASGI `send` so the response's CORS headers are vacancyd's, per `allowed`."""
-    grant = is_allowed(origin, allowed)
+    """Wrap an ASGI `send` so the response's headers follow `cors_response_headers`."""
 
     async def send_with_cors(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            headers = [
-                (name, value)
-                for name, value in message.get("headers", [])
-                if not name.lower().startswith(b"access-control-")
-            ]
-            if grant:
-                headers += [
-                    (b"access-control-allow-origin", origin.strip()),
-                    (b"access-control-expose-headers", EXPOSED_HEADERS),
-                    (b"vary", b"origin"),
-                ]
+            headers = cors_response_headers(message.get("headers", []), origin, allowed)
             message = {**message, "headers": headers}
         await send(message)
 

@@ -12,6 +12,7 @@ still find them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -20,13 +21,13 @@ import trio
 
 from vacancyd.adapters import Classification
 from vacancyd.admission import Admission, Reservation
-from vacancyd.config import Target, UpstreamConfig
-from vacancyd.errors import UpstreamUnavailable
+from vacancyd.config import LimitsConfig, Target, UpstreamConfig
+from vacancyd.errors import UpstreamUnavailable, quiet_detail
 from vacancyd.model import Refuse
 from vacancyd.proxy.dialects import StreamTail, stream_error
 from vacancyd.proxy.forward import DisconnectWatch, Relay, UpstreamResponse, open_upstream
 from vacancyd.proxy.headers import header_value, request_headers
-from vacancyd.proxy.pool import UpstreamPool
+from vacancyd.proxy.pool import UpstreamError, UpstreamPool
 from vacancyd.proxy.replies import Replies
 from vacancyd.reachability import Reachability
 from vacancyd.serving_protocol import HEAD_WITH_BODY, StreamCut
@@ -35,6 +36,8 @@ log = logging.getLogger("vacancyd.proxy.app")
 
 # How long a cut stream's final error frame may take to send before the break.
 FINAL_FRAME_TIMEOUT_S = 1.0
+# The code of an answer (or last frame) for an upstream that missed a deadline.
+UPSTREAM_TIMEOUT = "upstream_timeout"
 
 
 class UpstreamExchange:
@@ -46,6 +49,7 @@ class UpstreamExchange:
         target: Target,
         pool: UpstreamPool,
         admission: Admission,
+        limits: LimitsConfig,
         *,
         credential: str | None,
         drop_request_headers: frozenset[bytes],
@@ -55,6 +59,7 @@ class UpstreamExchange:
         self._target = target
         self._pool = pool
         self._admission = admission
+        self._limits = limits
         self._credential = credential
         self._drop_request_headers = drop_request_headers
         # Where each attempt to reach the upstream is reported, for /status.
@@ -74,7 +79,9 @@ class UpstreamExchange:
         The borrower is written each piece of the upstream's answer as it arrives, one
         piece in flight. Stopping the relay (the borrower left, or reclaim cut the job)
         closes the upstream connection at once (`Relay.stop`), even while the write to a
-        borrower that stopped reading is still stuck.
+        borrower that stopped reading is still stuck. The answer's head must come within
+        the route's first-byte deadline and each later piece within the idle deadline;
+        an upstream that misses either is reported as not answering (proxy/health.py).
         """
         headers = request_headers(
             scope["headers"],
@@ -89,19 +96,28 @@ class UpstreamExchange:
         watch = DisconnectWatch(receive, relay)
         response: UpstreamResponse | None = None
         tail = StreamTail()
+        first_byte_s = (
+            self._limits.work_first_byte_timeout_s
+            if reservation is not None
+            else self._limits.pass_first_byte_timeout_s
+        )
+        timed_out: str | None = None
         with relay.scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch.run)
                 try:
-                    response = await open_upstream(
-                        self._pool,
-                        self._target,
-                        scope["method"],
-                        found.path,
-                        scope["query_string"],
-                        headers,
-                        body,
-                    )
+                    with trio.fail_after(first_byte_s):
+                        response = await open_upstream(
+                            self._pool,
+                            self._target,
+                            scope["method"],
+                            found.path,
+                            scope["query_string"],
+                            headers,
+                            body,
+                        )
+                except trio.TooSlowError:
+                    timed_out = f"no answer within {first_byte_s:g}s"
                 except UpstreamUnavailable as exc:
                     log.warning("upstream %s unavailable: %s", self._upstream.name, exc)
                     self._reached(str(exc))
@@ -109,22 +125,30 @@ class UpstreamExchange:
                     await replies.error(502, "upstream_unavailable", "the upstream did not answer")
                     nursery.cancel_scope.cancel()
                     return None
-                relay.upstream = response
-                self._reached(None)
-                # What httpx's request line said, less the query string; off unless debug.
-                log.debug(
-                    "relayed %s %s on %s: %d",
-                    scope["method"],
-                    found.path,
-                    self._upstream.name,
-                    response.status,
-                )
-                hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
-                answered = partial(self._admission.answered, reservation) if reservation else None
-                await self._relay_answer(response, replies.send, watch, tail, hold_head, answered)
+                if response is not None:
+                    relay.upstream = response
+                    self._reached(None)
+                    # What httpx's request line said, less the query string; off unless debug.
+                    log.debug(
+                        "relayed %s %s on %s: %d",
+                        scope["method"],
+                        found.path,
+                        self._upstream.name,
+                        response.status,
+                    )
+                    hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
+                    answered = (
+                        partial(self._admission.answered, reservation) if reservation else None
+                    )
+                    timed_out = await self._relay_answer(
+                        response, replies.send, watch, tail, relay, hold_head, answered
+                    )
                 nursery.cancel_scope.cancel()
         if relay.refusal is not None:
             await self._answer_reclaimed(replies, relay.refusal, response, tail, scope, found)
+            return None
+        if timed_out is not None:
+            await self._answer_timed_out(replies, timed_out, response, tail, scope, found)
             return None
         if watch.client_left:
             log.info(
@@ -148,12 +172,20 @@ class UpstreamExchange:
         send: Any,
         watch: DisconnectWatch,
         tail: StreamTail,
+        relay: Relay,
         hold_head: Callable[[], None] | None = None,
         answered: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> str | None:
         """Write the upstream's answer to the borrower as it arrives; `tail` follows where
-        the bytes sent so far end, for a final error frame should reclaim cut the stream.
-        `answered` is called once the upstream's whole answer is in."""
+        the bytes sent so far end, for a final error frame should the stream be cut.
+        `answered` is called once the upstream's whole answer is in. Returns why the
+        upstream went silent mid-answer (its connection is then closed), else None.
+
+        Each message to the borrower is handed over whole (`_send_whole`): a cut that
+        lands while a write waits takes effect when the write is done, so `tail` always
+        says exactly what the borrower was sent, and a final frame never follows half a
+        chunk or a head the server has not finished writing.
+        """
         body = response.whole_body()
         try:
             head = {
@@ -164,40 +196,63 @@ class UpstreamExchange:
             if body is not None:
                 if answered is not None:
                     answered()
+                relay.finished = True
                 # The whole answer came with its head: the head goes out in the same
                 # write as the body (`hold_head`, serving_protocol.py).
                 if hold_head is not None:
                     hold_head()
-                await send(head)
+                await _send_whole(send, head)
                 tail.started = True
                 watch.finishing = True
                 tail.sending(body)
-                await send({"type": "http.response.body", "body": body, "more_body": False})
+                await _send_whole(send, {"type": "http.response.body", "body": body})
                 tail.sent()
-                return
+                return None
+            idle_s = self._limits.upstream_idle_timeout_s
             try:
-                await send(head)
+                await _send_whole(send, head)
                 tail.started = True
-                while (chunk := await response.read()) is not None:
-                    tail.sending(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    tail.sent()
+                # One scope for the whole answer, its deadline moved for each read (and
+                # lifted while the borrower is written): cheaper per event than a new one.
+                with trio.CancelScope() as silence:
+                    while True:
+                        silence.deadline = trio.current_time() + idle_s
+                        chunk = await response.read()
+                        silence.deadline = math.inf
+                        if chunk is None:
+                            break
+                        tail.sending(chunk)
+                        await _send_whole(
+                            send, {"type": "http.response.body", "body": chunk, "more_body": True}
+                        )
+                        tail.sent()
+                if silence.cancelled_caught:
+                    response.abort()
+                    return f"no part of the answer for {idle_s:g}s"
             finally:
                 response.release()
             if answered is not None:
                 answered()
+            relay.finished = True
             watch.finishing = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await _send_whole(send, {"type": "http.response.body", "body": b""})
+            return None
         except Exception as exc:
+            if relay.refusal is not None or watch.client_left:
+                # The relay was stopped (its upstream connection closed) while its task
+                # was already on its way back from a read: the read fails on the closed
+                # connection before the cancellation is seen. That is the cut, not a
+                # broken upstream; the caller answers it (with the reason, for a cut).
+                return None
             # After the headers there is no honest way to report an error except to
             # break the stream, so the borrower never mistakes it for a clean end.
             log.warning(
                 "stream from %s broke after %s: %s",
                 self._upstream.name,
                 "headers" if tail.started else "request",
-                exc,
+                _quiet(exc),
             )
-            raise UpstreamStreamBroken(str(exc)) from exc
+            raise UpstreamStreamBroken(_quiet(exc)) from exc
 
     async def _answer_reclaimed(
         self,
@@ -223,13 +278,69 @@ class UpstreamExchange:
         if response is None or not started:
             await replies.refusal(refusal)
             return
+        await self._last_frame(replies, response, tail, refusal.reason.value, refusal.detail)
+        raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
+
+    async def _answer_timed_out(
+        self,
+        replies: Replies,
+        why: str,
+        response: UpstreamResponse | None,
+        tail: StreamTail,
+        scope: dict[str, Any],
+        found: Classification,
+    ) -> None:
+        """The upstream missed a deadline: 504 before the answer's head; after it, a last
+        error frame where the framing allows one, then a break. Either way the upstream
+        counts as not answering until it answers a health read."""
+        started = response is not None and tail.started
+        log.warning(
+            "upstream %s timed out on %s %s %s: %s",
+            self._upstream.name,
+            scope["method"],
+            found.path,
+            "mid-answer" if started else "before its answer",
+            why,
+        )
+        self._reached(f"Timeout: {why}")
+        self._admission.note_not_answering(self._upstream.name, f"timed out: {why}")
+        message = f"the upstream sent {'nothing more' if started else 'no answer'}: {why}"
+        if response is None or not started:
+            await replies.error(504, UPSTREAM_TIMEOUT, message)
+            return
+        await self._last_frame(replies, response, tail, UPSTREAM_TIMEOUT, message)
+        raise UpstreamStreamBroken(f"timed out: {why}")
+
+    async def _last_frame(
+        self,
+        replies: Replies,
+        response: UpstreamResponse,
+        tail: StreamTail,
+        code: str,
+        message: str,
+    ) -> None:
+        """A final error frame on a cut stream, where its framing allows one whole."""
         content_type = header_value(response.headers, b"content-type")
-        frame = stream_error(replies.dialect, content_type, refusal.reason.value, refusal.detail)
+        frame = stream_error(replies.dialect, content_type, code, message)
         if frame and tail.at_boundary(content_type):
             # Bounded: a borrower that stopped reading gets the break without the frame.
             with trio.move_on_after(FINAL_FRAME_TIMEOUT_S):
                 await replies.send({"type": "http.response.body", "body": frame, "more_body": True})
-        raise UpstreamStreamBroken(f"reclaimed: {refusal.detail}")
+
+
+async def _send_whole(send: Any, message: dict[str, Any]) -> None:
+    """Hand one message to the server with no cut in the middle of it. Never waits without
+    bound: the server gives a write that waits `write_stall_timeout_s`, then resets the
+    borrower (serving.py), and a borrower that left is answered at once."""
+    with trio.CancelScope(shield=True):
+        await send(message)
+
+
+def _quiet(exc: BaseException) -> str:
+    """An error in words that quote nothing a peer sent (errors.quiet_detail)."""
+    if isinstance(exc, UpstreamError):
+        return str(exc)  # the pool's messages are fixed words
+    return quiet_detail(exc)
 
 
 class UpstreamStreamBroken(StreamCut):

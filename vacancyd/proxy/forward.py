@@ -45,16 +45,24 @@ class Relay:
     once the answer's head is in), even while the relay is still stuck writing to a
     borrower that stopped reading: the upstream stops working for the job now, not when
     that write gives up.
+
+    Once the relay has the upstream's whole answer and is handing its end to the borrower
+    (`finished`), there is nothing left to cut: `cancel` then changes nothing and says so,
+    and the borrower gets its complete answer rather than a reason frame after the end.
     """
 
     def __init__(self) -> None:
         self.scope = trio.CancelScope()
         self.refusal: Refuse | None = None
         self.upstream: UpstreamResponse | None = None
+        self.finished = False
 
-    def cancel(self, refusal: Refuse) -> None:
+    def cancel(self, refusal: Refuse) -> bool:
+        if self.finished:
+            return False
         self.refusal = refusal
         self.stop()
+        return True
 
     def stop(self) -> None:
         self.scope.cancel()

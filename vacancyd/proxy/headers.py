@@ -64,20 +64,47 @@ def request_headers(
 
 
 def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The upstream's answer headers a borrower may see, names in lower case: the rule for
+    every relayed answer, forwarded or a refused upgrade's.
+
+    An answer that came with Transfer-Encoding was framed by it (h11 reads the chunks and
+    ignores any Content-Length beside them), so its Content-Length is dropped too: passed
+    on, it would tell the borrower a length the bytes that follow do not have.
+    """
     materialised = list(headers)
-    named = _connection_named(materialised)
-    return [(name.lower(), value) for name, value in materialised if _crosses(name, named)]
+    dropped = _connection_named(materialised)
+    if header_value(materialised, b"transfer-encoding") is not None:
+        dropped.add(b"content-length")
+    return [(name.lower(), value) for name, value in materialised if _crosses(name, dropped)]
 
 
 def is_cross_origin(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """A browser request whose Origin is not the host it was sent to (a cross-site page)."""
     headers = list(headers)
     origin = header_value(headers, b"origin")
-    if origin is None or origin == b"null":
-        return origin == b"null"
+    if origin is None or origin.strip() == b"null":
+        return origin is not None
     host = header_value(headers, b"host") or b""
-    netloc = origin.split(b"://", 1)[-1].split(b"/", 1)[0]
-    return netloc.lower() != host.lower()
+    netloc = origin.strip().split(b"://", 1)[-1].split(b"/", 1)[0]
+    return netloc.lower() != host.strip().lower()
+
+
+# What Sec-Fetch-Site says of a request from a page of another origin. `same-site` counts:
+# on loopback every port is the same site, so a page served by any other local program
+# (or any other port) is marked same-site, not cross-site.
+_OTHER_ORIGIN_SITES = frozenset({b"cross-site", b"same-site"})
+
+
+def from_another_origin(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a browser marks this request as sent by a page of another origin: an Origin
+    that is not the host it was sent to, `Origin: null` (sandboxed frames, files), or a
+    Sec-Fetch-Site of `cross-site` or `same-site`. Pages cannot forge either header, and
+    clients that are not browsers send neither, so this is false for them."""
+    headers = list(headers)
+    site = header_value(headers, b"sec-fetch-site")
+    return is_cross_origin(headers) or (
+        site is not None and site.strip().lower() in _OTHER_ORIGIN_SITES
+    )
 
 
 def header_value(headers: Iterable[tuple[bytes, bytes]], wanted: bytes) -> bytes | None:

@@ -13,9 +13,15 @@ The order, first refusal wins:
 
 1. the borrower's credentials (judged by the caller: the authenticator counts);
 2. framing: Content-Length together with chunked is ambiguous (400); an upgrade carries
-   no body, since bytes after its head would reach the upstream unread (400);
-3. a cross-site page, for upstreams that trust browsers not to reach them (403), unless
-   its origin is on the upstream's `cors_allow_origins`;
+   no body, since bytes after its head would reach the upstream unread (400); nor does a
+   GET or HEAD (400), since an upstream that ignores a read's body would take that body
+   for the next request on its connection, one nobody judged;
+3. a page of another origin (403), unless its origin is on the upstream's
+   `cors_allow_origins`: for every adapter, on anything but a GET or HEAD read (work,
+   WebSocket upgrades, other methods), because with loopback trust a page in the owner's
+   browser acts as the owner and needs no answer to spend the GPU; and on every request
+   for upstreams that trust browsers not to reach them from other sites (ComfyUI), whose
+   Origin the proxy must drop;
 4. the adapter's classification: management reads are refused (403) unless the operator
    allows them, anything else unlisted is not recognised (501);
 5. WebSocket routes are declared per adapter: an upgrade on any other route is refused
@@ -38,9 +44,12 @@ from vacancyd.adapters import Adapter, Classification, RouteClass
 from vacancyd.auth import AuthResult
 from vacancyd.config import Management
 from vacancyd.proxy.cors import is_allowed, is_preflight
-from vacancyd.proxy.headers import header_value, is_cross_origin
+from vacancyd.proxy.headers import from_another_origin, header_value, is_cross_origin
 
 Headers = Sequence[tuple[bytes, bytes]]
+# Methods that only read: a page of another origin may send them (it cannot read the
+# answer without CORS), and they carry no body.
+READS = frozenset({"GET", "HEAD"})
 
 
 @attrs.frozen
@@ -112,16 +121,15 @@ def front_door(
     framing = _framing_refusal(head)
     if framing is not None:
         return framing
-    if (
-        b"origin" in adapter.drop_request_headers
-        and is_cross_origin(head.headers)
-        and not is_allowed(header_value(head.headers, b"origin"), cors_origins)
-    ):
-        # This upstream trusts that browsers cannot reach it from other sites, and the proxy
-        # must drop Origin for it (it rewrites Host), so the check happens here instead.
-        return Refusal(403, "cross_origin_refused", "requests from another site's page are refused")
     if found is None:
         found = adapter.classify(head.method, head.raw_path, head.query)
+    if _from_a_refused_page(head, adapter, found, cors_origins):
+        return Refusal(
+            403,
+            "cross_origin_refused",
+            "a browser page of another origin may not send this request here; the operator "
+            "can allow an origin with cors_allow_origins",
+        )
     if found.route_class in (RouteClass.MANAGEMENT, RouteClass.UNKNOWN):
         refusal = _unlisted_refusal(head.method, found, adapter, management)
         if refusal is not None:
@@ -171,14 +179,44 @@ def _unlisted_refusal(
     )
 
 
+def _from_a_refused_page(
+    head: RequestHead, adapter: Adapter, found: Classification, cors_origins: Collection[str]
+) -> bool:
+    """Whether a browser page of another origin sent this head, and may not.
+
+    Reads are left alone on most upstreams: they change nothing, and without CORS the page
+    cannot read the answer. Anything else could start work with the owner's trust (a form
+    post, a no-cors fetch, a WebSocket, none of which a browser preflights), so a browser's
+    mark of another origin refuses it on every adapter. An upstream that trusts browsers to
+    keep other sites away (it asks the proxy to drop Origin, which the proxy must since it
+    rewrites Host) has its own check kept here, on every request, reads included.
+    """
+    if is_allowed(header_value(head.headers, b"origin"), cors_origins):
+        return False
+    if b"origin" in adapter.drop_request_headers and is_cross_origin(head.headers):
+        return True
+    acts = head.websocket or head.method not in READS or found.route_class is RouteClass.WORK
+    return acts and from_another_origin(head.headers)
+
+
 def _framing_refusal(head: RequestHead) -> Refusal | None:
     length = header_value(head.headers, b"content-length")
     chunked = is_chunked(head.headers)
     if length is not None and chunked:
         return Refusal(400, "ambiguous_framing", "Content-Length together with chunked encoding")
-    if head.websocket and (chunked or (length is not None and length.strip() != b"0")):
+    if not declares_body(head.headers):
+        return None
+    if head.websocket:
         return Refusal(400, "websocket_with_body", "a WebSocket upgrade request carries no body")
+    if head.method in READS:
+        return Refusal(400, "body_not_allowed", f"a {head.method} request carries no body")
     return None
+
+
+def declares_body(headers: Headers) -> bool:
+    """Whether a head announces body bytes: chunked, or a Content-Length other than 0."""
+    length = header_value(headers, b"content-length")
+    return is_chunked(headers) or (length is not None and length.strip().lstrip(b"0") != b"")
 
 
 def _handshake_problem(headers: Headers) -> str | None:

@@ -16,11 +16,18 @@ httpx did it for the relay:
   verification (certifi);
 * the response parsed by h11, 1xx answers skipped; body pieces that arrived together are
   handed over as one, so a burst of events costs one write to the borrower, not one each;
-* a connection whose answer was not read to its end (the relay was cancelled, the
-  upstream broke it) is closed, never reused. Nothing is retried.
+* a connection is given back for reuse only when it is clean: its answer was read to its
+  end, nothing the upstream sent after that answer waits in the parser's buffer or on the
+  socket, and no protocol error was seen. Anything else closes it. Bytes an upstream sends
+  after the end of an answer (a planted second response, a body on a HEAD or a 304, a
+  Content-Length that counted characters rather than bytes) would otherwise be read as the
+  answer to the next request on that connection, which may be another borrower's. Nothing
+  is retried.
 
 Failures are named as httpx named them (ConnectError, ConnectTimeout, ReadError,
-WriteError, RemoteProtocolError, LocalProtocolError): operators and /status read them.
+WriteError, RemoteProtocolError, LocalProtocolError), each with a fixed message: h11's own
+messages quote the offending bytes, which may be a borrower's prompt or output, and these
+messages reach the log and /status.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import httpx
 import trio
 
 from vacancyd.config import Target
+from vacancyd.errors import quiet_detail
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -47,11 +55,18 @@ SEND_WITH_HEAD_BYTES = 65536
 
 
 class UpstreamError(Exception):
-    """A request to the upstream failed; the message starts with the failure's name."""
+    """A request to the upstream failed; the message starts with the failure's name.
 
-    def __init__(self, kind: str, detail: object) -> None:
+    `detail` is always words of vacancyd's or the operating system's, never bytes of a
+    request or an answer (see the module docstring)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+
+
+# What a broken answer is called; h11's own message would quote the bytes it choked on.
+BROKEN_ANSWER = "the upstream's answer is not valid HTTP/1.1"
 
 
 class _Connection:
@@ -69,7 +84,7 @@ class _Connection:
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise UpstreamError("WriteError", str(exc) or type(exc).__name__) from exc
+            raise UpstreamError("WriteError", quiet_detail(exc)) from exc
 
     async def next_event(self) -> object:
         """The next h11 event, reading from the upstream as needed."""
@@ -77,7 +92,7 @@ class _Connection:
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
-                raise UpstreamError("RemoteProtocolError", exc) from exc
+                raise UpstreamError("RemoteProtocolError", BROKEN_ANSWER) from exc
             if event is not h11.NEED_DATA:
                 return event
             await self.receive()
@@ -86,7 +101,7 @@ class _Connection:
         try:
             data = await self.stream.receive_some(READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise UpstreamError("ReadError", str(exc) or type(exc).__name__) from exc
+            raise UpstreamError("ReadError", quiet_detail(exc)) from exc
         if not data and self.h11.their_state is h11.SEND_RESPONSE:
             raise UpstreamError(
                 "RemoteProtocolError", "Server disconnected without sending a response."
@@ -142,7 +157,7 @@ class PooledAnswer:
             try:
                 event = parser.next_event()
             except h11.RemoteProtocolError as exc:
-                raise UpstreamError("RemoteProtocolError", exc) from exc
+                raise UpstreamError("RemoteProtocolError", BROKEN_ANSWER) from exc
             if type(event) is h11.Data:
                 self._pieces.append(event.data)
             elif type(event) is h11.EndOfMessage:
@@ -162,14 +177,13 @@ class PooledAnswer:
             connection.close()
 
     def release(self) -> None:
-        """Give the connection back for the next request if the answer was read to its
-        end and the upstream keeps it open; otherwise close it."""
+        """Give the connection back for the next request if it is clean (see the module
+        docstring); otherwise close it."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        parser = connection.h11
-        if self._ended and parser.our_state is h11.DONE and parser.their_state is h11.DONE:
-            parser.start_next_cycle()
+        if self._ended and _clean(connection):
+            connection.h11.start_next_cycle()
             self._pool.give_back(connection)
         else:
             connection.close()
@@ -221,7 +235,7 @@ class UpstreamPool:
                 parser.send_with_data_passthrough(h11.Data(data=body))
             parser.send(h11.EndOfMessage())
         except h11.LocalProtocolError as exc:
-            raise UpstreamError("LocalProtocolError", exc) from exc
+            raise UpstreamError("LocalProtocolError", "the request cannot be framed") from exc
         try:
             if not body:
                 await connection.send(head)
@@ -281,7 +295,7 @@ class UpstreamPool:
                 "ConnectTimeout", f"no connection within {self._connect_timeout_s:g}s"
             ) from None
         except (OSError, trio.BrokenResourceError) as exc:
-            raise UpstreamError("ConnectError", exc) from exc
+            raise UpstreamError("ConnectError", quiet_detail(exc)) from exc
 
     async def _open_tcp(self, host: str, port: int) -> trio.SocketStream:
         """A TCP connection; to an address (the usual target) a plain connect, which costs
@@ -312,6 +326,19 @@ def _address_family(host: str) -> socket.AddressFamily | None:
     except ValueError:
         return None
     return socket.AF_INET6 if address.version == 6 else socket.AF_INET
+
+
+def _clean(connection: _Connection) -> bool:
+    """Whether a connection whose answer was read to its end can carry another request:
+    both sides are done, nothing is left in the parser's buffer (bytes that came in the
+    same read as the answer's end) and nothing waits on the socket."""
+    parser = connection.h11
+    return (
+        parser.our_state is h11.DONE
+        and parser.their_state is h11.DONE
+        and not parser.trailing_data[0]
+        and not _readable(connection)
+    )
 
 
 def _readable(connection: _Connection) -> bool:

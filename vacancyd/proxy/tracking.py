@@ -14,6 +14,7 @@ import trio
 
 from vacancyd.adapters.actions import ReclaimActions, UpstreamContext
 from vacancyd.admission import Admission, Phase, Reservation
+from vacancyd.errors import log_unexpected
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,30 @@ async def track_job(
     context: UpstreamContext,
     completion_timeout_s: float,
 ) -> None:
-    """Release `reservation` once every one of its upstream jobs is done (or hold it)."""
+    """Release `reservation` once every one of its upstream jobs is done (or hold it).
+
+    Never raises for what the upstream answers: a tracker that fails in a way nobody
+    planned for logs it once and holds the job durably (the job may still be running, and
+    a tracker is no proof that it stopped), rather than take the daemon down with it.
+    """
+    try:
+        await _follow(admission, reservation, actions, context, completion_timeout_s)
+    except Exception as exc:
+        jobs = ", ".join(reservation.job_ids)
+        log_unexpected(log, f"tracking borrowed job {jobs} on {reservation.upstream}", exc)
+        if reservation.phase is Phase.TRACKING:
+            admission.hold(
+                reservation, f"tracking job {jobs} failed ({type(exc).__name__}); not proved done"
+            )
+
+
+async def _follow(
+    admission: Admission,
+    reservation: Reservation,
+    actions: ReclaimActions,
+    context: UpstreamContext,
+    completion_timeout_s: float,
+) -> None:
     deadline = trio.current_time() + completion_timeout_s
     pending = set(reservation.job_ids)
     while pending and trio.current_time() < deadline:

@@ -17,8 +17,15 @@ What the tunnel trusts, in order:
    whose `Sec-WebSocket-Accept` matches the client's key opens the splice. Any other
    answer is relayed as one response and both connections close, so bytes a borrower
    sent after the head (pipelined requests) never reach an upstream that did not switch.
+   That answer follows the rules of every relayed answer: hop-by-hop and
+   Connection-named headers dropped, a Location naming the upstream's own address
+   rewritten, CORS decided by vacancyd.
 4. From then on bytes are copied both ways unchanged. A tunnel with no traffic either way
    for `websocket_idle_timeout_s` is closed; closing either side closes both.
+
+Failures are logged and noted for /status by the exception's class and the operating
+system's words, never by the exception's message: h11's quotes the bytes it could not
+parse, which may be an upstream's answer or a borrower's request.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Collection
 
 import attrs
 import h11
@@ -37,10 +45,12 @@ from vacancyd.adapters import Adapter, Dialect
 from vacancyd.admission import Admission
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig
+from vacancyd.errors import quiet_detail
 from vacancyd.model import Refuse
+from vacancyd.proxy.cors import cors_response_headers
 from vacancyd.proxy.dialects import error_body
-from vacancyd.proxy.forward import Relay
-from vacancyd.proxy.headers import HOP_BY_HOP, header_value
+from vacancyd.proxy.forward import Relay, rewrite_location
+from vacancyd.proxy.headers import HOP_BY_HOP, header_value, response_headers
 from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
 from vacancyd.reachability import Reachability
 from vacancyd.refusals import advice_headers
@@ -194,10 +204,13 @@ class WebSocketTunnels:
             with trio.fail_after(self._limits.upstream_connect_timeout_s):
                 upstream = await trio.open_tcp_stream(self.target.host, self.target.port)
         except (OSError, trio.TooSlowError) as exc:
-            log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, exc)
-            self._reached(
-                "connect timed out" if isinstance(exc, trio.TooSlowError) else f"connect: {exc}"
+            note = (
+                "connect timed out"
+                if isinstance(exc, trio.TooSlowError)
+                else f"connect: {failure(exc)}"
             )
+            log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, note)
+            self._reached(note)
             await _answer(
                 stream, dialect, 502, "upstream_unavailable", "the upstream did not answer"
             )
@@ -220,7 +233,9 @@ class WebSocketTunnels:
                 return
             if not answer.switched:
                 self.refused_not_switched += 1
-                await _relay_refusal(stream, answer)
+                origin = header_value(request.headers, b"origin")
+                relayed = relayed_refusal(answer, self.target, origin, self._cors_origins)
+                await _send_quietly(stream, relayed)
                 return
             await _send_quietly(stream, answer.raw)
             if rest:
@@ -301,7 +316,9 @@ class WebSocketTunnels:
             OSError,
         ) as exc:
             log.warning(
-                "upstream %s did not answer a WebSocket upgrade: %s", self.upstream.name, exc
+                "upstream %s did not answer a WebSocket upgrade: %s",
+                self.upstream.name,
+                failure(exc),
             )
             return None
 
@@ -368,15 +385,45 @@ async def _read_refusal(
         return None
 
 
-async def _relay_refusal(stream: trio.SocketStream, answer: _Answer) -> None:
-    """The upstream's non-101 answer, as one response that closes the connection."""
+def relayed_refusal(
+    answer: _Answer, target: Target, origin: bytes | None, cors_origins: Collection[str]
+) -> bytes:
+    """The upstream's non-101 answer as the borrower gets it: one response that closes the
+    connection, under the rules every relayed answer follows (proxy/exchange.py's too).
+
+    A refusal is where an upstream is likeliest to say what a borrower should not see: a
+    redirect to its own login page at its internal address, or the CORS headers it sets
+    for its owner's pages. So its headers go through `response_headers`, its Location
+    through `rewrite_location`, and, for an upgrade that came with an Origin,
+    `cors_response_headers`. It is framed by its length, computed here."""
+    headers = [
+        (name, rewrite_location(value, target) if name == b"location" else value)
+        for name, value in response_headers(answer.headers)
+        if name != b"content-length"
+    ]
+    if origin is not None:
+        headers = cors_response_headers(headers, origin, cors_origins)
+    if answer.status not in (204, 304):  # answers that never have a body state no length
+        headers.append((b"content-length", str(len(answer.body)).encode("ascii")))
+    headers.append((b"connection", b"close"))
     head = [b"HTTP/1.1 %d %s" % (answer.status, answer.reason or b"Refused")]
-    for name, value in answer.headers:
-        if name not in HOP_BY_HOP and name != b"content-length":
-            head.append(name + b": " + value)
-    head.append(b"content-length: " + str(len(answer.body)).encode())
-    head.append(b"connection: close")
-    await _send_quietly(stream, b"\r\n".join(head) + b"\r\n\r\n" + answer.body)
+    head += [name + b": " + value for name, value in headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + answer.body
+
+
+def failure(exc: BaseException) -> str:
+    """How an attempt to reach the upstream failed, in words fit for the log and /status:
+    the exception's class, with the operating system's own words where there are some
+    (from the exception, what it was raised from, or, for trio's failed connects, the
+    attempts it groups). Never the exception's message, which for h11 quotes the bytes it
+    could not parse."""
+    name = type(exc).__name__
+    grouped = exc.__cause__.exceptions if isinstance(exc.__cause__, BaseExceptionGroup) else ()
+    for seen in (exc, *grouped):
+        detail = quiet_detail(seen)
+        if detail != type(seen).__name__:
+            return f"{name}: {detail}"
+    return name
 
 
 async def _send_quietly(stream: trio.SocketStream, data: bytes) -> None:
@@ -425,4 +472,10 @@ async def _answer(
     await _send_quietly(stream, b"\r\n".join(head) + b"\r\n\r\n" + body)
 
 
-__all__ = ["WebSocketTunnels", "expected_accept", "is_websocket_request"]
+__all__ = [
+    "WebSocketTunnels",
+    "expected_accept",
+    "failure",
+    "is_websocket_request",
+    "relayed_refusal",
+]

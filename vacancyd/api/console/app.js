@@ -31,9 +31,12 @@ async function call(method, path, body) {
   const token = savedToken();
   if (token) headers.Authorization = "Bearer " + token;
   const init = {method, headers, cache: "no-store"};
-  if (body !== undefined) {
+  // Anything but a read goes as JSON ({} when there is nothing to say): the daemon
+  // refuses other bodies on requests that change something, so that another site's page
+  // cannot forge one with a plain form.
+  if (method !== "GET" && method !== "HEAD") {
     headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
+    init.body = JSON.stringify(body === undefined ? {} : body);
   }
   const response = await fetch(path, init);
   let payload = null;
