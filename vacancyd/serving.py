@@ -8,7 +8,9 @@ are closed in serving_protocol.py, which the connections here run.
 
 * no write timeout: a client that stops reading blocks a shielded send forever, and
   shutdown with it. Here every send that has to wait has its own deadline
-  (`write_stall_timeout_s`); a stalled client is reset. A response that is still being
+  (`write_stall_timeout_s`); a stalled client is reset. Nothing else interrupts a send
+  half way, so an app that is cancelled (reclaim cutting a relay) never leaves a
+  message half written behind what h11 counted as sent. A response that is still being
   produced is never cut, because the timer only runs while bytes are waiting to be
   written. Bytes the socket takes at once are written at once, with no lock, deadline
   or trip through the scheduler (most writes: see docs/performance.md).
@@ -245,30 +247,29 @@ class HardenedTCPServer(TCPServer):
             if written == len(data):
                 return
             data = memoryview(data)[written:]
-            async with self.send_lock:
-                stalled = False
-                try:
-                    with trio.CancelScope(shield=True) as scope:
-                        scope.deadline = (
-                            trio.current_time() + self._guard.limits.write_stall_timeout_s
-                        )
+            # h11 has already counted these bytes as sent, so they all go or the client is
+            # reset: nothing from outside (the app's own cancellation, a reclaim's cut) may
+            # stop the write half way, waiting for the lock included, or the framing the
+            # client reads and the bytes it got would disagree. The stall deadline bounds it.
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + self._guard.limits.write_stall_timeout_s
+                async with self.send_lock:
+                    try:
                         await self.stream.send_all(data)
-                    stalled = scope.cancelled_caught
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    stalled = False
-                    await self._handle_closed()
-                    return
-                if stalled:
-                    # The client stopped reading: the stream is in an unknown state after a
-                    # cancelled send, so reset it and tell the app the client has gone.
-                    self._guard.write_stalls += 1
-                    log.info(
-                        "client stopped reading for %.0fs; resetting it",
-                        self._guard.limits.write_stall_timeout_s,
-                    )
-                    reset(self.stream)
-                    await trio.aclose_forcefully(self.stream)
-                    await self._handle_closed()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        await self._handle_closed()
+                        return
+            if scope.cancelled_caught:
+                # The client stopped reading: the stream is in an unknown state after a
+                # cancelled send, so reset it and tell the app the client has gone.
+                self._guard.write_stalls += 1
+                log.info(
+                    "client stopped reading for %.0fs; resetting it",
+                    self._guard.limits.write_stall_timeout_s,
+                )
+                reset(self.stream)
+                await trio.aclose_forcefully(self.stream)
+                await self._handle_closed()
         elif isinstance(event, Closed):
             with trio.CancelScope(shield=True):
                 await self._close()

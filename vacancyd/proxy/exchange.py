@@ -12,7 +12,6 @@ still find them.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -127,6 +126,7 @@ class UpstreamExchange:
                     return None
                 if response is not None:
                     relay.upstream = response
+                    nursery.start_soon(relay.watch_silence, self._limits.upstream_idle_timeout_s)
                     self._reached(None)
                     # What httpx's request line said, less the query string; off unless debug.
                     log.debug(
@@ -140,10 +140,11 @@ class UpstreamExchange:
                     answered = (
                         partial(self._admission.answered, reservation) if reservation else None
                     )
-                    timed_out = await self._relay_answer(
+                    await self._relay_answer(
                         response, replies.send, watch, tail, relay, hold_head, answered
                     )
                 nursery.cancel_scope.cancel()
+        timed_out = timed_out or relay.silent
         if relay.refusal is not None:
             await self._answer_reclaimed(replies, relay.refusal, response, tail, scope, found)
             return None
@@ -175,16 +176,17 @@ class UpstreamExchange:
         relay: Relay,
         hold_head: Callable[[], None] | None = None,
         answered: Callable[[], None] | None = None,
-    ) -> str | None:
+    ) -> None:
         """Write the upstream's answer to the borrower as it arrives; `tail` follows where
         the bytes sent so far end, for a final error frame should the stream be cut.
-        `answered` is called once the upstream's whole answer is in. Returns why the
-        upstream went silent mid-answer (its connection is then closed), else None.
+        `answered` is called once the upstream's whole answer is in. A relay stopped for
+        a reason (reclaim's cut, the upstream's silence, the borrower gone) returns, and
+        the caller answers the reason.
 
-        Each message to the borrower is handed over whole (`_send_whole`): a cut that
-        lands while a write waits takes effect when the write is done, so `tail` always
-        says exactly what the borrower was sent, and a final frame never follows half a
-        chunk or a head the server has not finished writing.
+        The server never stops a message to the borrower half way (serving.py): a cut
+        that lands while a write waits takes effect when the write is done, so `tail`
+        always says exactly what the borrower was sent, and a final frame never follows
+        half a chunk or a head the server has not finished writing.
         """
         body = response.whole_body()
         try:
@@ -201,49 +203,40 @@ class UpstreamExchange:
                 # write as the body (`hold_head`, serving_protocol.py).
                 if hold_head is not None:
                     hold_head()
-                await _send_whole(send, head)
+                await send(head)
                 tail.started = True
                 watch.finishing = True
                 tail.sending(body)
-                await _send_whole(send, {"type": "http.response.body", "body": body})
+                await send({"type": "http.response.body", "body": body})
                 tail.sent()
-                return None
-            idle_s = self._limits.upstream_idle_timeout_s
+                return
             try:
-                await _send_whole(send, head)
+                await send(head)
                 tail.started = True
-                # One scope for the whole answer, its deadline moved for each read (and
-                # lifted while the borrower is written): cheaper per event than a new one.
-                with trio.CancelScope() as silence:
-                    while True:
-                        silence.deadline = trio.current_time() + idle_s
-                        chunk = await response.read()
-                        silence.deadline = math.inf
-                        if chunk is None:
-                            break
-                        tail.sending(chunk)
-                        await _send_whole(
-                            send, {"type": "http.response.body", "body": chunk, "more_body": True}
-                        )
-                        tail.sent()
-                if silence.cancelled_caught:
-                    response.abort()
-                    return f"no part of the answer for {idle_s:g}s"
+                while True:
+                    # Watched by `Relay.watch_silence`: only the wait on the upstream counts.
+                    relay.reading_since = trio.current_time()
+                    chunk = await response.read()
+                    relay.reading_since = None
+                    if chunk is None:
+                        break
+                    tail.sending(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    tail.sent()
             finally:
                 response.release()
             if answered is not None:
                 answered()
             relay.finished = True
             watch.finishing = True
-            await _send_whole(send, {"type": "http.response.body", "body": b""})
-            return None
+            await send({"type": "http.response.body", "body": b""})
         except Exception as exc:
-            if relay.refusal is not None or watch.client_left:
+            if relay.refusal is not None or relay.silent is not None or watch.client_left:
                 # The relay was stopped (its upstream connection closed) while its task
                 # was already on its way back from a read: the read fails on the closed
                 # connection before the cancellation is seen. That is the cut, not a
                 # broken upstream; the caller answers it (with the reason, for a cut).
-                return None
+                return
             # After the headers there is no honest way to report an error except to
             # break the stream, so the borrower never mistakes it for a clean end.
             log.warning(
@@ -326,14 +319,6 @@ class UpstreamExchange:
             # Bounded: a borrower that stopped reading gets the break without the frame.
             with trio.move_on_after(FINAL_FRAME_TIMEOUT_S):
                 await replies.send({"type": "http.response.body", "body": frame, "more_body": True})
-
-
-async def _send_whole(send: Any, message: dict[str, Any]) -> None:
-    """Hand one message to the server with no cut in the middle of it. Never waits without
-    bound: the server gives a write that waits `write_stall_timeout_s`, then resets the
-    borrower (serving.py), and a borrower that left is answered at once."""
-    with trio.CancelScope(shield=True):
-        await send(message)
 
 
 def _quiet(exc: BaseException) -> str:

@@ -56,6 +56,10 @@ class Relay:
         self.refusal: Refuse | None = None
         self.upstream: UpstreamResponse | None = None
         self.finished = False
+        # While the relay waits for the next piece of the answer: since when (trio time).
+        self.reading_since: float | None = None
+        # Why the upstream was given up on mid-answer (it went silent), if it was.
+        self.silent: str | None = None
 
     def cancel(self, refusal: Refuse) -> bool:
         if self.finished:
@@ -63,6 +67,21 @@ class Relay:
         self.refusal = refusal
         self.stop()
         return True
+
+    async def watch_silence(self, idle_s: float) -> None:
+        """Stop the relay once it has waited `idle_s` for the next piece of the answer.
+
+        One task per relay that wakes at most every `idle_s`, rather than a deadline moved
+        on every piece: the relay only notes when it starts and ends each read.
+        """
+        while True:
+            since = self.reading_since
+            now = trio.current_time()
+            if since is not None and now - since >= idle_s:
+                self.silent = f"no part of the answer for {idle_s:g}s"
+                self.stop()
+                return
+            await trio.sleep_until((since if since is not None else now) + idle_s)
 
     def stop(self) -> None:
         self.scope.cancel()
