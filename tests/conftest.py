@@ -7,6 +7,7 @@ import pytest
 
 from tests.support.llama import llama_server
 from tests.support.plain_upstream import PlainUpstream, serve_plain
+from tests.support.real_systemd import RealSystemd, real_systemd_or_skip
 from tests.support.upstreams import EchoUpstream, serve_echo
 
 # `pytest -m "not slow"` is the quick run (about a minute); the whole suite is `make test`.
@@ -67,3 +68,11 @@ def plain() -> Iterator[PlainUpstream]:
     """A stdlib keep-alive HTTP/1.1 upstream that never upgrades and records every request."""
     with serve_plain() as upstream:
         yield upstream
+
+
+@pytest.fixture(scope="session")
+def real_systemd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSystemd]:
+    """One real systemd + logind in a throwaway container for the whole session
+    (tests/support/real_systemd.py); skipped with its reason where it cannot boot."""
+    with real_systemd_or_skip(tmp_path_factory.mktemp("real-systemd")) as container:
+        yield container

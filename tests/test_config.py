@@ -168,7 +168,7 @@ def test_example_listens_on_loopback_only() -> None:
 def test_example_documents_every_key_of_the_schema() -> None:
     text = EXAMPLE.read_text("utf-8")
     classes = [obj for obj in vars(schema).values() if isinstance(obj, type) and attrs.has(obj)]
-    assert len(classes) == 11
+    assert len(classes) == 12
     # A field whose TOML key is a Python keyword (`from`) names its key in its metadata.
     keys = {
         f"{cls.__name__}.{field.name}": field.metadata.get("key", field.name)
@@ -212,6 +212,10 @@ def test_gpu_device_by_index_bus_id_or_uuid(device: str) -> None:
         (
             RESOURCES.replace("device = 0", "device = 0\n[resource.pressure]\nthreshold = 5"),
             "resource[2].pressure: unknown key(s): threshold",
+        ),
+        (
+            RESOURCES + "max_temperature_c = 83\n[resource.heat]\nmargin_c = 5",
+            "resource[2].heat: unknown key(s): margin_c",
         ),
         (
             token("t", '["read"]') + "scope = 1\n",
@@ -427,6 +431,22 @@ def test_wrong_kind_of_table_is_reported_with_its_path() -> None:
             RESOURCES + "[resource.pressure]\nthreshold_pct = 40.0\ncap_pct = 30.0",
             "resource[2].pressure.threshold_pct: must not exceed cap_pct (30)",
         ),
+        (
+            RESOURCES + "max_temperature_c = 0",
+            "resource[2].max_temperature_c: must be greater than 0, got 0.0",
+        ),
+        (
+            RESOURCES + "max_temperature_c = 83\n[resource.heat]\nrelease_after_s = -1",
+            "resource[2].heat.release_after_s: must be at least 0, got -1.0",
+        ),
+        (
+            RESOURCES + "max_temperature_c = 83\n[resource.heat]\nrelease_margin_c = -0.5",
+            "resource[2].heat.release_margin_c: must be at least 0, got -0.5",
+        ),
+        (
+            RESOURCES + "max_temperature_c = 10\n[resource.heat]\nrelease_margin_c = 10",
+            "resource[2].heat.release_margin_c: must be less than max_temperature_c (10)",
+        ),
     ],
 )
 def test_range_problem_carries_its_key_path(text: str, expected: str) -> None:
@@ -619,6 +639,45 @@ def test_pressure_is_refused_on_a_non_gpu() -> None:
     text = '[[resource]]\nname = "ram"\nkind = "memory"\n[resource.pressure]\ncap_pct = 20.0\n'
     assert only_problem(text) == (
         "resource[0].pressure: pressure is attributed for nvidia_gpu resources only"
+    )
+
+
+def test_a_heat_guard_is_off_unless_max_temperature_is_set() -> None:
+    gpu = parse_config(RESOURCES).resource[2]
+    assert (gpu.max_temperature_c, gpu.heat) == (None, None)
+
+
+def test_max_temperature_loads_with_and_without_its_release_table() -> None:
+    bare = parse_config(RESOURCES + "max_temperature_c = 83\n").resource[2]
+    assert (bare.max_temperature_c, bare.heat) == (83.0, None)
+    text = RESOURCES + "max_temperature_c = 80.5\n[resource.heat]\nrelease_after_s = 0\n"
+    tuned = parse_config(text).resource[2]
+    assert tuned.max_temperature_c == 80.5
+    assert tuned.heat == schema.HeatConfig(release_margin_c=5.0, release_after_s=0.0)
+
+
+@pytest.mark.parametrize("kind", ["memory", "cpu"])
+def test_max_temperature_is_refused_on_other_kinds(kind: str) -> None:
+    text = f'[[resource]]\nname = "r"\nkind = "{kind}"\nmax_temperature_c = 80\n'
+    assert only_problem(text) == (
+        "resource[0].max_temperature_c: only an nvidia_gpu reports a temperature"
+    )
+
+
+def test_a_heat_table_without_a_limit_is_refused() -> None:
+    assert only_problem(RESOURCES + "[resource.heat]\nrelease_after_s = 30\n") == (
+        "resource[2].heat: has no effect without max_temperature_c"
+    )
+
+
+def test_a_heat_table_on_a_non_gpu_is_refused() -> None:
+    text = '[[resource]]\nname = "ram"\nkind = "memory"\n[resource.heat]\nrelease_after_s = 1\n'
+    assert only_problem(text) == "resource[0].heat: the heat guard is for nvidia_gpu resources only"
+
+
+def test_a_temperature_limit_is_a_number_not_a_string() -> None:
+    assert only_problem(RESOURCES + 'max_temperature_c = "83"\n') == (
+        "resource[2].max_temperature_c: expected a number, got '83'"
     )
 
 
@@ -830,3 +889,21 @@ def test_a_scalar_where_a_table_belongs_says_so() -> None:
 def test_footprint_type_error_uses_the_same_path_notation_as_range_errors() -> None:
     message = only_problem(RESOURCES + upstream(default_need_mib="{ gpu0 = 10.5 }"))
     assert message == 'upstream[0].default_need_mib."gpu0": expected an integer, got 10.5'
+
+
+def test_the_state_dir_defaults_to_the_units_state_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under systemd (StateDirectory=vacancyd) the service user may have no home: the
+    directory systemd made for the unit is the default, the first of several."""
+    from vacancyd.config.load import resolve_state_dir
+
+    monkeypatch.setenv("STATE_DIRECTORY", f"{tmp_path}/a:{tmp_path}/b")
+    assert resolve_state_dir(parse_config("")) == tmp_path / "a"
+    # What the config says still wins.
+    configured = parse_config(f'[server]\nstate_dir = "{tmp_path}/c"\n')
+    assert resolve_state_dir(configured) == tmp_path / "c"
+    # A relative value is not systemd's: ignored.
+    monkeypatch.setenv("STATE_DIRECTORY", "relative")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert resolve_state_dir(parse_config("")) != Path("relative")

@@ -523,3 +523,62 @@ async def test_a_saved_switch_of_a_resource_no_longer_configured_is_ignored(
         assert r.state.lending_enabled
         assert r.state.resource_switch == {"ram": True, "cpu": False}
         assert r.controls.state_files.problems == ()
+
+
+# -- a pause that takes the machine back now -----------------------------------------------
+
+
+async def test_a_pause_leaves_running_work_alone_but_pause_now_reclaims_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A pause refuses new work only; `--now` also asks every upstream for its running
+    work back, by its on_owner_return policy, resource-scoped ones included."""
+    conf = reclaim_config("drain", scope="resource")
+    async with rig(conf) as r, trio.open_nursery() as nursery:
+        owner = OwnerControls.for_config(r.state, None)
+        await nursery.start(owner.run)
+        _, relay = r.admit("a", "gpu0")
+        owner.set_lending(False)
+        await trio.sleep(600.0)
+        assert relay.cut_at is None and r.state.edges == []
+        owner.set_lending(True)
+        paused = trio.current_time()
+        owner.set_lending(False, now=True)
+        await trio.sleep(29.999)
+        assert relay.cut_at is None  # drained, as on the owner's return
+        await trio.sleep(0.002)
+        assert relay.cut_at == paused + 30.0
+        assert relay.refusal is not None and relay.refusal.reason is Reason.LENDING_DISABLED
+        assert "took the machine back" in relay.refusal.detail
+        record = r.reclaims["a"].last
+        assert record is not None and record.trigger.label == "pause"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pause_now_that_is_resumed_before_the_deadline_stands_down(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with rig(reclaim_config("drain")) as r, trio.open_nursery() as nursery:
+        owner = OwnerControls.for_config(r.state, None)
+        await nursery.start(owner.run)
+        r.pressure_clear("gpu0")  # nothing but the pause stands in the way
+        _, relay = r.admit("a", "gpu0")
+        owner.set_lending(False, 3600.0, now=True)
+        await trio.sleep(10.0)
+        owner.set_lending(True)
+        await trio.sleep(60.0)
+        assert relay.cut_at is None
+        record = r.reclaims["a"].last
+        assert record is not None and record.phase == "stood_down"
+        nursery.cancel_scope.cancel()
+
+
+async def test_only_a_pause_can_take_the_machine_back_now() -> None:
+    state = SharedState(config())
+    owner = OwnerControls.for_config(state, None)
+    try:
+        owner.set_lending(True, now=True)
+    except ValueError as exc:
+        assert "only a pause" in str(exc)
+    else:
+        raise AssertionError("a resume with now was taken")

@@ -20,6 +20,7 @@ from vacancyd.model import (
     Admit,
     Decision,
     GateInput,
+    HeatView,
     ModelNeed,
     OwnerScope,
     PresenceView,
@@ -36,8 +37,11 @@ from vacancyd.model import (
 
 CLEAR = PresenceView(sampled=True, fresh=True, evidence_complete=True, veto_engaged=False)
 CALM = PressureView(PressureQuality.READY, engaged=False)
+COOL = HeatView(Quality.READY, detail="61°C, limit 83°C", temperature_c=61.0)
 
-GPU = ResourceView("gpu0", switch_on=True, quality=Quality.READY, spare_mib=10_000, pressure=CALM)
+GPU = ResourceView(
+    "gpu0", switch_on=True, quality=Quality.READY, spare_mib=10_000, pressure=CALM, heat=COOL
+)
 RAM = ResourceView("ram", switch_on=True, quality=Quality.READY, spare_mib=20_000)
 CPU = ResourceView("cpu", switch_on=True, quality=Quality.READY, spare_mib=None)
 
@@ -79,6 +83,11 @@ def resource(name: str, **changes: object) -> Change:
 
 def pressure(name: str, quality: PressureQuality, engaged: bool = False) -> Change:
     return resource(name, pressure=PressureView(quality, engaged=engaged, detail="probe says so"))
+
+
+def heat(name: str, quality: Quality, engaged: bool = False) -> Change:
+    evidence = "91°C, limit 83°C; the driver slows it down: hw_thermal_slowdown"
+    return resource(name, heat=HeatView(quality, engaged=engaged, detail=evidence))
 
 
 def need(**changes: object) -> Change:
@@ -125,6 +134,10 @@ INCOMPLETE = presence(evidence_complete=False, detail="reporter silent")
 VETO = presence(veto_engaged=True, detail="steam is running")
 
 
+def on_battery(q: GateInput) -> GateInput:
+    return attrs.evolve(q, on_battery=True)
+
+
 def not_answering(q: GateInput) -> GateInput:
     return attrs.evolve(q, upstream_not_answering="timed out: no answer within 300s")
 
@@ -135,6 +148,7 @@ RULES = [
     pytest.param(STALE, Reason.OWNER_ACTIVE, 5, None, id="presence-stale"),
     pytest.param(INCOMPLETE, Reason.OWNER_ACTIVE, 30, None, id="session-evidence-incomplete"),
     pytest.param(VETO, Reason.OWNER_ACTIVE, 120, None, id="owner-veto"),
+    pytest.param(on_battery, Reason.ON_BATTERY, 300, None, id="on-battery"),
     pytest.param(
         not_answering, Reason.UPSTREAM_UNRESPONSIVE, 30, None, id="upstream-not-answering"
     ),
@@ -189,6 +203,34 @@ RULES = [
         30,
         "gpu0",
         id="gpu-pressure-engaged",
+    ),
+    pytest.param(
+        heat("gpu0", Quality.UNKNOWN),
+        Reason.RESOURCE_UNMEASURED,
+        30,
+        "gpu0",
+        id="gpu-temperature-unknown",
+    ),
+    pytest.param(
+        heat("gpu0", Quality.STALE, engaged=True),
+        Reason.RESOURCE_UNMEASURED,
+        30,
+        "gpu0",
+        id="gpu-temperature-stale",
+    ),
+    pytest.param(
+        heat("gpu0", Quality.READY, engaged=True),
+        Reason.RESOURCE_HOT,
+        60,
+        "gpu0",
+        id="gpu-hot",
+    ),
+    pytest.param(
+        heat("ram", Quality.READY, engaged=True),
+        Reason.RESOURCE_HOT,
+        60,
+        "ram",
+        id="any-resource-with-a-heat-view-hot",
     ),
     pytest.param(
         resource("ram", switch_on=False), Reason.RESOURCE_DISABLED, 300, "ram", id="ram-off"
@@ -303,6 +345,16 @@ def test_each_rule_refuses_with_its_reason_and_hint(
             id="pressured",
         ),
         pytest.param(
+            heat("gpu0", Quality.READY, engaged=True),
+            ["gpu0", "running hot", "91°C", "hw_thermal_slowdown"],
+            id="hot",
+        ),
+        pytest.param(
+            heat("gpu0", Quality.STALE),
+            ["temperature of gpu0 is stale", "91°C"],
+            id="temperature-stale",
+        ),
+        pytest.param(
             resource("gpu0", spare_mib=5_999),
             ["llama3:8b", "6000 MiB", "gpu0", "5999 MiB"],
             id="short",
@@ -335,8 +387,19 @@ def test_refusal_detail_tells_a_person_why(change: Change, words: list[str]) -> 
         resource("gpu0", quality=Quality.UNKNOWN, quality_detail="NVMLError_Unknown"),
         pressure("gpu0", PressureQuality.UNKNOWN),
         pressure("gpu0", PressureQuality.READY, engaged=True),
+        heat("gpu0", Quality.UNKNOWN),
+        heat("gpu0", Quality.READY, engaged=True),
     ],
-    ids=["stale-bus", "incomplete", "owner-programs", "collector", "pressure", "pressured"],
+    ids=[
+        "stale-bus",
+        "incomplete",
+        "owner-programs",
+        "collector",
+        "pressure",
+        "pressured",
+        "temperature",
+        "hot",
+    ],
 )
 def test_borrowers_are_not_told_the_hosts_internals(change: Change) -> None:
     # The evidence (collector and bus errors, the owner's programs) stays with the operator.
@@ -354,9 +417,11 @@ EVERYTHING_WRONG = both(
     UNSAMPLED,
     INCOMPLETE,
     VETO,
+    on_battery,
     not_answering,
     resource("gpu0", switch_on=False, quality=Quality.UNKNOWN, lendable=False, spare_mib=0),
     pressure("gpu0", PressureQuality.UNCALIBRATED, engaged=True),
+    heat("gpu0", Quality.UNKNOWN, engaged=True),
     resource("ram", switch_on=False, quality=Quality.STALE, lendable=False, spare_mib=0),
 )
 
@@ -375,8 +440,14 @@ LADDER = [
     ("incomplete", presence(fresh=True), (Reason.OWNER_ACTIVE, 30, None), "cannot be read"),
     ("veto", presence(evidence_complete=True), (Reason.OWNER_ACTIVE, 120, None), "using"),
     (
-        "not-answering",
+        "on-battery",
         presence(veto_engaged=False),
+        (Reason.ON_BATTERY, 300, None),
+        "battery",
+    ),
+    (
+        "not-answering",
+        lambda q: attrs.evolve(q, on_battery=False),
         (Reason.UPSTREAM_UNRESPONSIVE, 30, None),
         "stopped answering",
     ),
@@ -411,8 +482,20 @@ LADDER = [
         "loading",
     ),
     (
-        "ram-off",
+        "gpu-temperature-unknown",
         pressure("gpu0", PressureQuality.READY),
+        (Reason.RESOURCE_UNMEASURED, 30, "gpu0"),
+        "temperature",
+    ),
+    (
+        "gpu-hot",
+        heat("gpu0", Quality.READY, engaged=True),
+        (Reason.RESOURCE_HOT, 60, "gpu0"),
+        "hot",
+    ),
+    (
+        "ram-off",
+        heat("gpu0", Quality.READY),
         (Reason.RESOURCE_DISABLED, 300, "ram"),
         "ram",
     ),
@@ -540,6 +623,34 @@ def test_the_ladder_ends_in_an_admission() -> None:
             (Reason.RESOURCE_UNMEASURED, 30, "gpu0"),
             id="pressure-quality-before-engaged",
         ),
+        pytest.param(
+            both(
+                pressure("gpu0", PressureQuality.READY, engaged=True),
+                heat("gpu0", Quality.READY, engaged=True),
+            ),
+            (Reason.RESOURCE_PRESSURED, 30, "gpu0"),
+            id="pressure-before-heat",
+        ),
+        pytest.param(
+            both(resource("gpu0", lendable=False), heat("gpu0", Quality.READY, engaged=True)),
+            (Reason.INSUFFICIENT_CAPACITY, 30, "gpu0"),
+            id="policy-before-heat",
+        ),
+        pytest.param(
+            heat("gpu0", Quality.UNKNOWN, engaged=True),
+            (Reason.RESOURCE_UNMEASURED, 30, "gpu0"),
+            id="temperature-quality-before-hot",
+        ),
+        pytest.param(
+            both(heat("gpu0", Quality.READY, engaged=True), resource("ram", switch_on=False)),
+            (Reason.RESOURCE_HOT, 60, "gpu0"),
+            id="primary-hot-before-dependency-off",
+        ),
+        pytest.param(
+            both(heat("gpu0", Quality.READY, engaged=True), resource("gpu0", spare_mib=0)),
+            (Reason.RESOURCE_HOT, 60, "gpu0"),
+            id="hot-before-capacity-charge",
+        ),
     ],
 )
 def test_earliest_rule_wins(change: Change, expected: tuple[Reason, int, str | None]) -> None:
@@ -595,6 +706,11 @@ def test_resource_scope_skips_every_owner_rule(owner_problem: Change) -> None:
             pressure("gpu0", PressureQuality.READY, engaged=True),
             (Reason.RESOURCE_PRESSURED, 30, "gpu0"),
             id="pressured",
+        ),
+        pytest.param(
+            heat("gpu0", Quality.READY, engaged=True),
+            (Reason.RESOURCE_HOT, 60, "gpu0"),
+            id="hot",
         ),
         pytest.param(
             resource("gpu0", spare_mib=100),
@@ -710,6 +826,13 @@ pressures = st.none() | st.builds(
     engaged=st.booleans(),
     detail=DETAILS,
 )
+heats = st.none() | st.builds(
+    HeatView,
+    quality=st.sampled_from(Quality),
+    engaged=st.booleans(),
+    detail=DETAILS,
+    temperature_c=st.none() | st.floats(allow_nan=True),
+)
 resource_views = st.builds(
     ResourceView,
     name=NAMES,
@@ -720,6 +843,7 @@ resource_views = st.builds(
     spare_mib=st.none() | EDGE_INTS,
     pressure=pressures,
     quality_detail=DETAILS,
+    heat=heats,
 )
 
 
@@ -755,6 +879,7 @@ def gate_inputs(
         resources=views,
         need=model_need,
         upstream_not_answering=draw(st.sampled_from(["", "timed out"])),
+        on_battery=draw(st.booleans()),
     )
 
 
@@ -767,6 +892,7 @@ def admissible_inputs(draw: st.DrawFn) -> GateInput:
     for name in names:
         spare = draw(st.none() | EDGE_INTS)
         calm = st.builds(PressureView, quality=st.just(PressureQuality.READY), detail=DETAILS)
+        cool = st.builds(HeatView, quality=st.just(Quality.READY), detail=DETAILS)
         views.append(
             ResourceView(
                 name,
@@ -777,6 +903,7 @@ def admissible_inputs(draw: st.DrawFn) -> GateInput:
                 spare_mib=spare,
                 pressure=draw(st.none() | calm),
                 quality_detail=draw(DETAILS),
+                heat=draw(st.none() | cool),
             )
         )
         if draw(st.booleans()):
@@ -811,9 +938,16 @@ HINTS = {
     Reason.RESOURCE_UNMEASURED: {30},
     Reason.INSUFFICIENT_CAPACITY: {30},
     Reason.RESOURCE_PRESSURED: {30},
+    Reason.RESOURCE_HOT: {60},
     Reason.UPSTREAM_UNRESPONSIVE: {30},
+    Reason.ON_BATTERY: {300},
 }
-HOST_WIDE = {Reason.LENDING_DISABLED, Reason.OWNER_ACTIVE, Reason.UPSTREAM_UNRESPONSIVE}
+HOST_WIDE = {
+    Reason.LENDING_DISABLED,
+    Reason.OWNER_ACTIVE,
+    Reason.UPSTREAM_UNRESPONSIVE,
+    Reason.ON_BATTERY,
+}
 
 
 @given(gate_inputs())
@@ -884,6 +1018,11 @@ def _first_problem(view: ResourceView) -> Reason | None:
             Reason.RESOURCE_UNMEASURED,
         ),
         (guard is not None and guard.engaged, Reason.RESOURCE_PRESSURED),
+        (
+            view.heat is not None and view.heat.quality is not Quality.READY,
+            Reason.RESOURCE_UNMEASURED,
+        ),
+        (view.heat is not None and view.heat.engaged, Reason.RESOURCE_HOT),
     ]
     return next((reason for failed, reason in checks if failed), None)
 

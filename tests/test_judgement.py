@@ -10,18 +10,22 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
+import attrs
 import pytest
 
-from vacancyd.config import OwnerConfig, PressureConfig, ResourceConfig
+from vacancyd.config import HeatConfig, OwnerConfig, PressureConfig, ResourceConfig
+from vacancyd.heat import HeatGuard
 from vacancyd.judgement import (
     Failure,
     HostVeto,
     HoursJudgement,
     Timed,
+    TimedHeat,
     capacity_policy,
     capacity_quality,
     emergency_reserve_mib,
     freshness_bound_s,
+    heat_view,
     lending_hours_view,
     owner_match,
     presence_view,
@@ -30,6 +34,7 @@ from vacancyd.judgement import (
 )
 from vacancyd.model import (
     MIB,
+    HeatView,
     LendingHoursView,
     Observation,
     PresenceReading,
@@ -339,6 +344,15 @@ def test_presence_view(
             "owner program running: blender",
         ),
         (_reading(0, SessionState.UNREADABLE), True, True, None),
+        (
+            attrs.evolve(
+                _reading(0, SessionState.LOCKED, ("blender",)),
+                idle_inhibitors=("Blender: render (uid 1000)",),
+            ),
+            True,
+            True,
+            "idle inhibitor held: Blender: render (uid 1000)",
+        ),
     ],
 )
 def test_owner_match(
@@ -402,3 +416,227 @@ def test_veto_hysteresis_releases_only_after_a_quiet_stretch() -> None:
     veto.observe(False, 70.0)
     assert not veto.engaged and veto.released_at == 70.0 and veto.reason == ""
     assert veto.engage_without_reading(80.0, "presence expired") is True
+
+
+# -- heat: the guard's hysteresis under explicit times, and its view's freshness --------
+
+HOT_GPU = attrs.evolve(GPU, max_temperature_c=80.0)
+HEAT_RULE = HeatConfig(release_margin_c=5.0, release_after_s=60.0)
+COOL = HeatView(Quality.READY, detail="70°C, limit 80°C", temperature_c=70.0)
+HOT = HeatView(Quality.READY, True, "90°C", 90.0, ("hw_thermal_slowdown",), engaged_at=70.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "recorded", "expected"),
+    [
+        pytest.param(RAM, TimedHeat(COOL, 100.0), None, id="not a GPU: no guard"),
+        pytest.param(GPU, TimedHeat(COOL, 100.0), None, id="no max_temperature_c: no guard"),
+        pytest.param(
+            HOT_GPU,
+            None,
+            HeatView(Quality.UNKNOWN, detail="no temperature reading yet"),
+            id="no reading yet",
+        ),
+        pytest.param(HOT_GPU, TimedHeat(COOL, 85.0), COOL, id="at the bound"),
+        pytest.param(
+            HOT_GPU,
+            TimedHeat(HOT, 84.0),
+            attrs.evolve(HOT, quality=Quality.STALE, detail="no temperature reading for 16s"),
+            id="a loop that stopped: stale, still engaged",
+        ),
+    ],
+)
+def test_heat_view(
+    config: ResourceConfig, recorded: TimedHeat | None, expected: HeatView | None
+) -> None:
+    assert heat_view(config, recorded, 100.0, BOUND) == expected
+
+
+def test_resource_view_carries_the_heat_view_whatever_the_capacity() -> None:
+    ready = resource_view(GPU, True, _gpu(99.0), None, None, 100.0, BOUND, heat=HOT)
+    assert ready.quality is Quality.READY and ready.heat == HOT
+    unknown = resource_view(GPU, True, None, None, None, 100.0, BOUND, heat=HOT)
+    assert unknown.quality is Quality.UNKNOWN and unknown.heat == HOT
+    assert resource_view(GPU, True, _gpu(99.0), None, None, 100.0, BOUND).heat is None
+
+
+def _gpu(at: float) -> Observation:
+    return Observation("gpu0", at, 24 * GIB, 20 * GIB)
+
+
+def _heat_guard(release_after_s: float = 60.0) -> HeatGuard:
+    rule = attrs.evolve(HEAT_RULE, release_after_s=release_after_s)
+    return HeatGuard("gpu0", 80.0, rule, max_gap_s=BOUND)
+
+
+Reading = tuple[float, float | None, tuple[str, ...] | None]
+
+
+def _steady(first: float, last: float, temperature: float) -> list[Reading]:
+    """One reading every 5 s from `first` to `last`: closer than the gap limit (15 s)."""
+    return [(at, temperature, ()) for at in range(int(first), int(last) + 1, 5)]
+
+
+def _play(guard: HeatGuard, script: list[Reading]) -> tuple[list[str], list[float]]:
+    """What the guard did over `script`: each change ("engaged at 2"), and its edges."""
+    changes, edges = [], []
+    for now, temperature, reasons in script:
+        was = guard.engaged
+        edge = guard.observe(temperature, reasons, now, why="NVML: Not Supported")
+        if guard.engaged != was:
+            changes.append(f"{'engaged' if guard.engaged else 'released'} at {now:g}")
+        if edge is not None:
+            edges.append(edge.at)
+    return changes, edges
+
+
+# readings (time, temperature or None for unread, clock event reasons) -> changes, edges
+HEAT_SCRIPTS = [
+    pytest.param(
+        [(0, 70, ()), (1, 80, ()), (2, 80.5, ())],
+        ["engaged at 2"],
+        [2],
+        id="engages on the first reading over the limit, not at it",
+    ),
+    pytest.param(
+        [(0, 70, ()), (1, 85, ()), (2, 90, ()), (3, 99, ())],
+        ["engaged at 1"],
+        [1],
+        id="one edge per hot spell",
+    ),
+    pytest.param(
+        [(0, 90, ()), *_steady(1, 61, 70), (62, 90, ())],
+        ["engaged at 0", "released at 61", "engaged at 62"],
+        [62],
+        id="hot from the first reading: no edge until it has admitted once",
+    ),
+    pytest.param(
+        [(0, 70, ()), (1, 85, ()), *_steady(10, 70, 75)],
+        ["engaged at 1", "released at 70"],
+        [1],
+        id="releases after release_after_s at or below the limit minus the margin",
+    ),
+    pytest.param(
+        [(0, 70, ()), (1, 85, ()), *_steady(10, 40, 75), (41, 76, ()), *_steady(45, 105, 75)],
+        ["engaged at 1", "released at 105"],
+        [1],
+        id="a reading in the margin restarts the release wait",
+    ),
+    pytest.param(
+        [
+            (0, 70, ()),
+            (1, 85, ()),
+            *_steady(10, 20, 75),
+            (21, 60, ("sw_thermal_slowdown",)),
+            *_steady(25, 85, 60),
+        ],
+        ["engaged at 1", "released at 85"],
+        [1],
+        id="a thermal slowdown while cooling restarts the release wait",
+    ),
+    pytest.param(
+        [(0, 70, ()), (1, 85, ()), *_steady(10, 30, 70), (31, None, None), *_steady(35, 95, 70)],
+        ["engaged at 1", "released at 95"],
+        [1],
+        id="an unread temperature holds the guard and restarts the release wait",
+    ),
+    pytest.param(
+        [(0, 70, ()), (1, 85, ()), *_steady(10, 20, 70), *_steady(36, 96, 70)],
+        ["engaged at 1", "released at 96"],
+        [1],
+        id="readings further apart than max_gap_s restart the release wait",
+    ),
+    pytest.param(
+        [(0, None, None), (1, 95, ()), (2, None, None), (3, 70, ()), (4, 95, ())],
+        ["engaged at 1"],
+        [],
+        id="an unread temperature neither engages nor arms",
+    ),
+    pytest.param(
+        [(0, 70, None), (1, 81, None)],
+        ["engaged at 1"],
+        [1],
+        id="throttle reasons not reported: judged on the temperature alone",
+    ),
+]
+
+
+@pytest.mark.parametrize(("script", "changes", "edges"), HEAT_SCRIPTS)
+def test_heat_guard_hysteresis(
+    script: list[Reading], changes: list[str], edges: list[float]
+) -> None:
+    assert _play(_heat_guard(), script) == (changes, edges)
+
+
+@pytest.mark.parametrize(
+    ("reason", "engages"),
+    [
+        ("hw_slowdown", True),
+        ("hw_thermal_slowdown", True),
+        ("sw_thermal_slowdown", True),
+        ("hw_power_brake_slowdown", True),
+        ("sw_power_cap", False),
+        ("gpu_idle", False),
+        ("applications_clocks_setting", False),
+        ("sync_boost", False),
+        ("display_clock_setting", False),
+        ("0x800", False),
+    ],
+)
+def test_only_heat_and_power_brake_slowdowns_engage_a_cool_gpu(reason: str, engages: bool) -> None:
+    guard = _heat_guard()
+    guard.observe(50.0, (), 0.0)
+    edge = guard.observe(50.0, ("gpu_idle", reason), 1.0)
+    assert guard.engaged is engages
+    assert (edge is not None) is engages
+    if edge is not None:
+        assert edge.reason == f"gpu0 is at 50°C, the driver slows it down: {reason}"
+
+
+def test_heat_guard_release_after_zero_releases_on_the_first_cool_reading() -> None:
+    script: list[Reading] = [(0, 70, ()), (1, 85, ()), (2, 78, ()), (3, 75, ())]
+    assert _play(_heat_guard(0.0), script) == (["engaged at 1", "released at 3"], [1])
+
+
+def test_heat_guard_views_say_what_it_saw() -> None:
+    guard = _heat_guard()
+    assert guard.view(0.0) == HeatView(Quality.UNKNOWN, detail="no temperature reading yet")
+    guard.observe(70.0, ("gpu_idle",), 0.0)
+    assert guard.view(0.0) == HeatView(
+        Quality.READY,
+        detail="70°C, limit 80°C; clock events: gpu_idle",
+        temperature_c=70.0,
+        throttle_reasons=("gpu_idle",),
+    )
+    edge = guard.observe(91.0, ("sw_power_cap", "hw_thermal_slowdown"), 5.0)
+    assert edge is not None and edge.at == 5.0
+    assert edge.reason == (
+        "gpu0 is at 91°C, over its limit of 80°C; the driver slows it down: hw_thermal_slowdown"
+    )
+    hot = guard.view(5.0)
+    assert (hot.quality, hot.engaged, hot.engaged_at) == (Quality.READY, True, 5.0)
+    assert hot.detail == (
+        "91°C, limit 80°C; the driver slows it down: hw_thermal_slowdown;"
+        " hot, lent again after 60s at or below 75°C"
+    )
+    guard.observe(74.0, None, 10.0)
+    assert guard.view(22.0).detail == (
+        "74°C, limit 80°C; the driver reports no throttle reasons;"
+        " cooling, 12s of 60s at or below 75°C"
+    )
+    guard.observe(
+        None,
+        None,
+        23.0,
+        why="NVML could not read the temperature and throttle reasons: Unknown Error",
+    )
+    unread = guard.view(23.0)
+    assert unread == HeatView(
+        Quality.UNKNOWN,
+        True,
+        "NVML could not read the temperature and throttle reasons: Unknown Error",
+        engaged_at=5.0,
+    )
+    guard.observe(math.nan, (), 24.0)
+    assert guard.view(24.0).detail == "the temperature could not be read"
+    assert guard.edge_count == 1

@@ -354,3 +354,78 @@ async def test_a_wedged_logind_is_bounded_by_the_call_deadline(logind: MockLogin
         finally:
             logind.resume_logind()
         await wait_for_presence(state, session_is(SessionState.ACTIVE))
+
+
+# -- logind inhibitors: the owner's "keep my machine" switch --------------------------------
+
+
+def held(reading: PresenceReading) -> bool:
+    return bool(reading.idle_inhibitors)
+
+
+def not_held(reading: PresenceReading) -> bool:
+    return not reading.idle_inhibitors
+
+
+INHIBITOR = ("idle", "Blender", "rendering my scene", "block", 1000, 4242)
+
+
+@pytest.mark.parametrize(
+    ("row", "counts"),
+    [
+        pytest.param(INHIBITOR, True, id="idle-block-by-the-owner"),
+        pytest.param(("sleep:idle:shutdown", "x", "y", "block-weak", 1000, 1), True, id="weak"),
+        pytest.param(("idle", "x", "y", "delay", 1000, 1), False, id="delay-never-blocks"),
+        pytest.param(("sleep", "x", "y", "block", 1000, 1), False, id="not-idle"),
+        pytest.param(("idle", "x", "y", "block", 2000, 1), False, id="another-uid"),
+        pytest.param(("idle", "x", "y", "block", 0, 1), False, id="a-system-service"),
+    ],
+)
+async def test_which_inhibitors_make_the_owner_present(
+    logind: MockLogind, row: tuple[str, str, str, str, int, int], counts: bool
+) -> None:
+    await logind.add_session("2")  # uid 1000, graphical, in front of its seat
+    await logind.set_locked("2", True)  # away from the keyboard, and lent when locked
+    await logind.set_inhibitors([row])
+    async with presence_running(presence_config_text()) as state:
+        reading = state.presence
+        assert reading is not None and reading.session is SessionState.LOCKED
+        assert bool(reading.idle_inhibitors) is counts, reading
+        assert state.veto.engaged is counts
+
+
+async def test_an_inhibitor_of_a_user_without_a_graphical_session_changes_nothing(
+    logind: MockLogind,
+) -> None:
+    await logind.add_session("2", uid=1000, type="wayland")
+    await logind.add_session("7", uid=2000, type="tty", remote=True, service="sshd")
+    await logind.set_locked("2", True)
+    await logind.set_inhibitors([("idle", "backup", "nightly", "block", 2000, 99)])
+    async with presence_running(presence_config_text()) as state:
+        assert state.presence is not None and not state.presence.idle_inhibitors
+        assert not state.veto.engaged
+
+
+async def test_an_inhibitor_arrives_by_signal_and_names_itself_in_the_refusal(
+    logind: MockLogind,
+) -> None:
+    await logind.add_session("2")
+    await logind.set_locked("2", True)
+    await logind.set_inhibitors([])
+    async with presence_running(presence_config_text(poll_interval_s=3600)) as state:
+        await wait_for_presence(state, not_held)
+        assert not state.veto.engaged
+        # An hour-long poll cannot explain a change seen within seconds: BlockInhibited's
+        # PropertiesChanged woke the loop.
+        await logind.set_inhibitors([INHIBITOR])
+        reading = await wait_for_presence(state, held, timeout_s=5)
+        assert reading.idle_inhibitors == ("Blender: rendering my scene (uid 1000)",)
+        assert state.veto.engaged
+        question = state.gate_input("desk", OwnerScope.HOST, ("ram",), ModelNeed(model=None))
+        refusal = decide(question)
+        assert isinstance(refusal, Refuse) and refusal.reason is Reason.OWNER_ACTIVE
+        assert "idle inhibitor held: Blender" in refusal.for_operator
+        # Released: the next reading is clear (release_after_s is 0 in this config).
+        await logind.set_inhibitors([])
+        await wait_for_presence(state, not_held, timeout_s=5)
+        assert not state.veto.engaged

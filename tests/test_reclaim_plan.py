@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import pytest
 
 from vacancyd.config import OnOwnerReturn
@@ -23,7 +24,10 @@ from vacancyd.reclaim_plan import (
 )
 
 CANCEL, DRAIN, FINISH = OnOwnerReturn.CANCEL, OnOwnerReturn.DRAIN, OnOwnerReturn.FINISH
-OWNER, HOURS, PRESSURE = EdgeKind.OWNER, EdgeKind.HOURS, EdgeKind.PRESSURE
+OWNER, HOURS, PRESSURE, POWER = EdgeKind.OWNER, EdgeKind.HOURS, EdgeKind.PRESSURE, EdgeKind.POWER
+HEAT = EdgeKind.HEAT
+SLEEP = EdgeKind.SLEEP
+PAUSE = EdgeKind.PAUSE
 HOST, RESOURCE = OwnerScope.HOST, OwnerScope.RESOURCE
 WAITING, STOOD_DOWN, PROCEEDING = (
     ReclaimPhase.WAITING,
@@ -70,6 +74,8 @@ CLEARED_ROWS = [
     (CANCEL, OWNER, RESOURCE, WAITING),
     (CANCEL, HOURS, RESOURCE, WAITING),
     (CANCEL, PRESSURE, RESOURCE, WAITING),
+    (CANCEL, POWER, HOST, WAITING),
+    (CANCEL, POWER, RESOURCE, WAITING),
     (DRAIN, OWNER, HOST, STOOD_DOWN),
     (DRAIN, HOURS, HOST, STOOD_DOWN),
     (DRAIN, PRESSURE, HOST, STOOD_DOWN),
@@ -77,12 +83,38 @@ CLEARED_ROWS = [
     (DRAIN, OWNER, RESOURCE, WAITING),
     (DRAIN, HOURS, RESOURCE, WAITING),
     (DRAIN, PRESSURE, RESOURCE, STOOD_DOWN),
+    (DRAIN, POWER, HOST, STOOD_DOWN),
+    (DRAIN, POWER, RESOURCE, WAITING),
     (FINISH, OWNER, HOST, STOOD_DOWN),
     (FINISH, HOURS, HOST, STOOD_DOWN),
     (FINISH, PRESSURE, HOST, STOOD_DOWN),
     (FINISH, OWNER, RESOURCE, WAITING),
     (FINISH, HOURS, RESOURCE, WAITING),
     (FINISH, PRESSURE, RESOURCE, STOOD_DOWN),
+    (FINISH, POWER, HOST, STOOD_DOWN),
+    (FINISH, POWER, RESOURCE, WAITING),
+    # A heat edge clears as a pressure edge does, once the GPU has cooled.
+    (CANCEL, HEAT, HOST, WAITING),
+    (CANCEL, HEAT, RESOURCE, WAITING),
+    (DRAIN, HEAT, HOST, STOOD_DOWN),
+    (DRAIN, HEAT, RESOURCE, STOOD_DOWN),
+    (FINISH, HEAT, HOST, STOOD_DOWN),
+    (FINISH, HEAT, RESOURCE, STOOD_DOWN),
+    # A sleep edge is always urgent in practice (below); were it not, it would clear as
+    # pressure does.
+    (CANCEL, SLEEP, HOST, WAITING),
+    (CANCEL, SLEEP, RESOURCE, WAITING),
+    (DRAIN, SLEEP, HOST, STOOD_DOWN),
+    (DRAIN, SLEEP, RESOURCE, STOOD_DOWN),
+    (FINISH, SLEEP, HOST, STOOD_DOWN),
+    (FINISH, SLEEP, RESOURCE, STOOD_DOWN),
+    # The owner's pause --now clears when lending resumes, for either scope.
+    (CANCEL, PAUSE, HOST, WAITING),
+    (CANCEL, PAUSE, RESOURCE, WAITING),
+    (DRAIN, PAUSE, HOST, STOOD_DOWN),
+    (DRAIN, PAUSE, RESOURCE, STOOD_DOWN),
+    (FINISH, PAUSE, HOST, STOOD_DOWN),
+    (FINISH, PAUSE, RESOURCE, STOOD_DOWN),
 ]
 
 # policy -> wait limit, cuts what remains at the limit, limit for an edge at 100 s
@@ -204,6 +236,10 @@ ANSWER_ROWS = [
     (HOURS, HOST, True, True, True),
     (HOURS, RESOURCE, False, False, False),
     (HOURS, RESOURCE, True, True, False),
+    (POWER, HOST, False, False, True),
+    (POWER, HOST, True, True, True),
+    (POWER, RESOURCE, False, False, False),
+    (POWER, RESOURCE, True, True, False),
     # Pressure: only upstreams using the resource; host-scoped ones not while the veto
     # stands, since it already reclaimed them.
     (PRESSURE, HOST, True, False, True),
@@ -214,6 +250,23 @@ ANSWER_ROWS = [
     (PRESSURE, RESOURCE, True, True, True),
     (PRESSURE, RESOURCE, False, False, False),
     (PRESSURE, RESOURCE, False, True, False),
+    # Heat: answered exactly like pressure.
+    (HEAT, HOST, True, False, True),
+    (HEAT, HOST, True, True, False),
+    (HEAT, HOST, False, False, False),
+    (HEAT, HOST, False, True, False),
+    (HEAT, RESOURCE, True, False, True),
+    (HEAT, RESOURCE, True, True, True),
+    (HEAT, RESOURCE, False, False, False),
+    (HEAT, RESOURCE, False, True, False),
+    # Sleep: every upstream, whatever it uses and whatever the veto.
+    (SLEEP, HOST, False, False, True),
+    (SLEEP, HOST, True, True, True),
+    (SLEEP, RESOURCE, False, False, True),
+    (SLEEP, RESOURCE, True, True, True),
+    # The owner's pause --now: every upstream too.
+    (PAUSE, HOST, False, False, True),
+    (PAUSE, RESOURCE, False, True, True),
 ]
 
 
@@ -225,8 +278,16 @@ def test_which_upstreams_answer_an_edge(
 
 
 def test_labels_are_the_strings_status_has_always_shown() -> None:
-    assert [kind.value for kind in EdgeKind] == ["owner", "hours", "pressure"]
-    assert sorted(HOST_EDGE_KINDS) == ["hours", "owner"]
+    assert [kind.value for kind in EdgeKind] == [
+        "owner",
+        "hours",
+        "pressure",
+        "power",
+        "sleep",
+        "pause",
+        "heat",
+    ]
+    assert sorted(HOST_EDGE_KINDS) == ["hours", "owner", "power"]
     assert [phase.value for phase in ReclaimPhase] == [
         "waiting",
         "stood_down",
@@ -236,6 +297,7 @@ def test_labels_are_the_strings_status_has_always_shown() -> None:
     assert Trigger(OWNER).label == "owner"
     assert str(Trigger(HOURS)) == "hours"
     assert Trigger(PRESSURE, "gpu0").label == "pressure:gpu0"
+    assert Trigger(HEAT, "gpu0").label == "heat:gpu0"
     # A trigger is a value, not its string: only /status renders it as one.
     assert Trigger(PRESSURE, "gpu0") != "pressure:gpu0"
     assert Trigger(PRESSURE, "gpu0") == Trigger(PRESSURE, "gpu0")
@@ -249,3 +311,25 @@ def test_an_edge_built_from_a_plain_string_carries_the_kind() -> None:
     assert edge.trigger == Trigger(PRESSURE, "gpu0")
     with pytest.raises(ValueError):
         Edge(2, "lunch", 5.0, "not a kind")
+
+
+@pytest.mark.parametrize("policy", list(OnOwnerReturn))
+@pytest.mark.parametrize(("kind", "scope"), EVERY_TRIGGER)
+@pytest.mark.parametrize("running", [True, False])
+@pytest.mark.parametrize("can_unload", [True, False])
+def test_an_urgent_reclaim_cuts_at_once_whatever_the_policy(
+    policy: OnOwnerReturn, kind: EdgeKind, scope: OwnerScope, running: bool, can_unload: bool
+) -> None:
+    """The machine is about to sleep: even `finish` cuts, nothing waits or stands down,
+    and the unload is asked for where the upstream can."""
+    plan = plan_reclaim(
+        attrs.evolve(
+            _facts(policy, kind, scope, running=running, cleared=True, can_unload=can_unload),
+            urgent=True,
+        )
+    )
+    assert plan.phase is PROCEEDING
+    assert plan.cut is running
+    assert plan.cancel_upstream_jobs
+    assert plan.unload is can_unload
+    assert not plan.stands_down_if_cleared

@@ -44,6 +44,8 @@ FLOORS: dict[str, float] = {
     # New with issue 13, still being written: a little more room.
     "vacancyd/edges.py": 95.0,  # [100.0]
     "vacancyd/judgement.py": 95.0,  # [100.0]
+    # New with issue 18 (heat), measured by its own tests alone.
+    "vacancyd/heat.py": 95.0,  # [100.0]
 }
 # The whole package, everything under vacancyd/ [94.2].
 TOTAL_FLOOR = 92.0

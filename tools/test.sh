@@ -18,9 +18,23 @@ command -v make >/dev/null || need_packages+=(make)
 command -v systemd-analyze >/dev/null || need_packages+=(systemd)
 # Debian's chromium drives the owner console in a real browser (tests/test_console.py).
 command -v chromium >/dev/null || need_packages+=(chromium)
+# The session agent's X11 tests (tests/test_agent_x11.py): an X server with a real
+# window manager, the tools that act as the owner (a window, fullscreen, pointer input),
+# and libXss, which the agent loads through ctypes. desktop-file-validate checks the
+# agent's autostart entry (tests/test_agent_units.py).
+command -v Xvfb >/dev/null || need_packages+=(xvfb)
+command -v openbox >/dev/null || need_packages+=(openbox)
+command -v wmctrl >/dev/null || need_packages+=(wmctrl)
+command -v xdotool >/dev/null || need_packages+=(xdotool)
+command -v xlogo >/dev/null || need_packages+=(x11-apps)
+command -v xprop >/dev/null || need_packages+=(x11-utils)
+ldconfig -p 2>/dev/null | grep 'libXss\.so\.1' >/dev/null || need_packages+=(libxss1)
+command -v desktop-file-validate >/dev/null || need_packages+=(desktop-file-utils)
+# The installed daemon is asked over HTTP from inside a container (tests/test_real_agent.py).
+command -v curl >/dev/null || need_packages+=(curl)
 if [ ${#need_packages[@]} -gt 0 ]; then
-  echo "test.sh: installing ${need_packages[*]} (to build llama-server, to verify the unit," \
-    "to drive the console)" >&2
+  echo "test.sh: installing ${need_packages[*]} (to build llama-server, to verify the units," \
+    "to drive the console, to run an X11 desktop for the agent)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_packages[@]}" >/dev/null
 fi
 

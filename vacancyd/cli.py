@@ -8,6 +8,7 @@ calls it makes and its exit code. How the daemon's documents read for a person (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         "debug": _debug,
         "diagnostics": _diagnostics,
         "footprint": _footprint,
+        "agent": _agent,
     }[args.command]
     return handler(args)
 
@@ -94,8 +96,63 @@ def _parser() -> argparse.ArgumentParser:
                 type=_duration,
                 help="a snooze: lend again by itself after this long, e.g. 2h, 1h30m (at most 30d)",
             )
+            sub.add_argument(
+                "--now",
+                action="store_true",
+                help="also give the machine back at once: running borrowed work is reclaimed",
+            )
     _operator_commands(commands)
+    _agent_commands(commands)
     return parser
+
+
+def _agent_commands(commands: Any) -> None:
+    """`agent` (= `agent run`) runs the per-session agent; `agent pause|resume|status`
+    put one command to the daemon over the agent's socket (no token: the daemon knows
+    the caller from the socket)."""
+    agent = commands.add_parser(
+        "agent",
+        help="the per-session agent: run it in the desktop session, or pause/resume/status",
+    )
+    actions = agent.add_subparsers(dest="agent_command", metavar="ACTION")
+    run = actions.add_parser("run", help="report this desktop session to the daemon (default)")
+    pause = actions.add_parser("pause", help="stop lending (new borrowed work is refused)")
+    resume = actions.add_parser("resume", help="lend again")
+    status = actions.add_parser("status", help="show the lending state")
+    # Accepted before or after the action: `agent --socket X pause` and `agent pause
+    # --socket X`; the action's copy only counts when given (SUPPRESS).
+    for parser, default in ((agent, None), (run, argparse.SUPPRESS), (pause, argparse.SUPPRESS),
+                            (resume, argparse.SUPPRESS), (status, argparse.SUPPRESS)):  # fmt: skip
+        parser.add_argument(
+            "--socket",
+            metavar="PATH",
+            default=default,
+            help="the daemon's agent socket (default: $VACANCYD_AGENT_SOCKET, "
+            "else /run/vacancyd/agent.sock)",
+        )
+    for parser, default in ((agent, None), (run, argparse.SUPPRESS)):
+        parser.add_argument(
+            "--heartbeat",
+            metavar="DURATION",
+            type=_heartbeat,
+            default=default,
+            help="report at least this often, e.g. 2s (default 2s)",
+        )
+        parser.add_argument(
+            "--verbose", action="store_true", default=default, help="log at debug level"
+        )
+    pause.add_argument(
+        "--for",
+        dest="for_s",
+        metavar="DURATION",
+        type=_pause_duration,
+        help="a snooze: lend again by itself after this long, e.g. 2h, 1h30m (at most 30d)",
+    )
+    pause.add_argument(
+        "--now",
+        action="store_true",
+        help="also give the machine back at once: running borrowed work is reclaimed",
+    )
 
 
 def _operator_commands(commands: Any) -> None:
@@ -135,6 +192,29 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a duration must be longer than 0s")
+    return seconds
+
+
+def _heartbeat(text: str) -> float:
+    from vacancyd.agent_protocol import MAX_HEARTBEAT_S, MIN_HEARTBEAT_S
+
+    seconds = _duration(text)
+    if not MIN_HEARTBEAT_S <= seconds <= MAX_HEARTBEAT_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a heartbeat is from {MIN_HEARTBEAT_S:g}s to {MAX_HEARTBEAT_S:g}s"
+        )
+    return seconds
+
+
+def _pause_duration(text: str) -> float:
+    from vacancyd.agent_protocol import MAX_PAUSE_S
+    from vacancyd.durations import describe_duration
+
+    seconds = _duration(text)
+    if seconds > MAX_PAUSE_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a pause is at most {describe_duration(MAX_PAUSE_S)}"
+        )
     return seconds
 
 
@@ -298,25 +378,30 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _set_lending(args: argparse.Namespace, enabled: bool, for_s: float | None = None) -> int:
+def _set_lending(
+    args: argparse.Namespace, enabled: bool, for_s: float | None = None, now: bool = False
+) -> int:
     body: dict[str, Any] = {"enabled": enabled}
     if for_s is not None:
         body["for_s"] = for_s
+    if now:
+        body["now"] = True
     answer = _ask(args, Scope.ADMIN, "POST", "/admin/lending", body)
     if isinstance(answer, int):
         return answer
+    given_back = "; running borrowed work is being reclaimed now" if now else ""
     if enabled:
         print("lending resumed")
     elif answer["lending"].get("paused_until"):
         until = local_time(answer["lending"]["paused_until"])
-        print(f"lending paused until {until}: new borrowed work is refused until then")
+        print(f"lending paused until {until}: new borrowed work is refused until then{given_back}")
     else:
-        print("lending paused: new borrowed work is refused until you resume")
+        print(f"lending paused: new borrowed work is refused until you resume{given_back}")
     return EXIT_OK
 
 
 def _pause(args: argparse.Namespace) -> int:
-    return _set_lending(args, False, args.for_s)
+    return _set_lending(args, False, args.for_s, args.now)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -390,6 +475,42 @@ def _diagnostics(args: argparse.Namespace) -> int:
         f"wrote {path} ({len(data)} bytes, {len(document.get('log', []))} log lines); "
         "secrets are redacted and no borrower's request is in it"
     )
+    return EXIT_OK
+
+
+def _agent(args: argparse.Namespace) -> int:
+    """Run the session agent, or put one owner's command to the daemon through it."""
+    from vacancyd.agent.commands import CommandFailed, render_answer, send_command
+    from vacancyd.agent.link import socket_path
+    from vacancyd.agent_protocol import Command
+
+    action = args.agent_command or "run"
+    if action == "run":
+        return _run_agent(args)
+    command = Command(
+        action, for_s=getattr(args, "for_s", None), now=bool(getattr(args, "now", False))
+    )
+    try:
+        answer = send_command(socket_path(args.socket, os.environ), command)
+    except CommandFailed as exc:
+        print(f"vacancyd agent: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(render_answer(answer), file=sys.stdout if answer.ok else sys.stderr)
+    return EXIT_OK if answer.ok else EXIT_FAILED
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from vacancyd.agent.loop import AgentSettings, run_agent
+
+    _configure_logging("debug" if args.verbose else "info")
+    settings = AgentSettings.from_environment(
+        os.environ, socket=args.socket, heartbeat_s=args.heartbeat
+    )
+    # SIGINT before the agent's own signal handling is up ends it the same way.
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(partial(run_agent, settings, handle_signals=True))
     return EXIT_OK
 
 

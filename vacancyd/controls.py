@@ -28,6 +28,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import trio
 
+from vacancyd.agent_protocol import Answer, Command
 from vacancyd.config import Config
 from vacancyd.config.hours import compile_schedule
 from vacancyd.edges import EdgeKind
@@ -105,6 +106,7 @@ class OwnerControls:
         wall_clock: WallClock = system_wall_clock,
     ) -> None:
         self._state = state
+        self.state = state
         self._file = switches
         self.schedule = schedule
         self.zone = zone
@@ -180,18 +182,29 @@ class OwnerControls:
 
     # -- the owner's word -----------------------------------------------------------------
 
-    def set_lending(self, enabled: bool, for_s: float | None = None) -> str | None:
+    def set_lending(
+        self, enabled: bool, for_s: float | None = None, *, now: bool = False
+    ) -> str | None:
         """Resume, pause, or pause for `for_s` seconds (a snooze); then save.
 
-        Returns None once saved, else why not: the switch is in effect either way.
+        A pause only refuses new work; with `now` it also asks for the machine back at once:
+        a pause edge, which every upstream answers by its on_owner_return policy, as on the
+        owner's return. Returns None once saved, else why not: the switch is in effect
+        either way.
         """
         if for_s is not None and (enabled or not 0 < for_s <= MAX_SNOOZE_S):
             raise ValueError(f"a snooze pauses for more than 0 s and at most {MAX_SNOOZE_S:g} s")
+        if now and enabled:
+            raise ValueError("only a pause can take the machine back now")
         if for_s is None:
             self._state.set_lending(enabled)
         else:
             until_wall = self._wall() + timedelta(seconds=for_s)
             self._state.set_lending(False, trio.current_time() + for_s, until_wall)
+        if now:
+            self._state.add_edge(
+                EdgeKind.PAUSE, trio.current_time(), "the owner paused lending and took it back"
+            )
         self._rearm.set()
         return self.save()
 
@@ -287,3 +300,54 @@ def _utc(moment: datetime) -> str:
 
 def _local(moment: datetime) -> str:
     return moment.strftime("%a %Y-%m-%d %H:%M %Z").strip()
+
+
+def agent_socket_path(owner_socket: str, runtime_dir: Path | None) -> Path | None:
+    """Where session agents report: the configured path, else agent.sock in the runtime
+    directory; None (no agents) without either."""
+    if owner_socket:
+        return Path(owner_socket)
+    return None if runtime_dir is None else runtime_dir / "agent.sock"
+
+
+async def answer_owner(controls: OwnerControls, uid: int, command: Command) -> Answer:
+    """The owner's command from their session (vacancyd agent pause|resume|status): the
+    same switches, with the same persistence, as the admin API's."""
+    state = controls.state
+    if command.action == "status":
+        return Answer(True, "status", _lending_words(state), _lending(state))
+    enabled = command.action == "resume"
+    not_saved = controls.set_lending(enabled, command.for_s, now=command.now)
+    log.warning(
+        "lending %s from the owner's session (uid %d)%s",
+        "resumed" if enabled else "paused",
+        uid,
+        ", taking the machine back now" if command.now else "",
+    )
+    if not_saved is not None:
+        return Answer(
+            False,
+            "not_saved",
+            f"{_lending_words(state)}, but it could not be saved ({not_saved}): a restart "
+            "would restore the last saved switches",
+            _lending(state),
+        )
+    return Answer(True, command.action, _lending_words(state), _lending(state))
+
+
+def _lending(state: SharedState) -> dict[str, object]:
+    left = None if state.paused_until is None else state.paused_until - trio.current_time()
+    until = state.paused_until_wall
+    return {
+        "enabled": state.lending_enabled,
+        "paused_until": None if until is None else _utc(until),
+        "resumes_in_s": None if left is None else round(max(left, 0.0), 3),
+    }
+
+
+def _lending_words(state: SharedState) -> str:
+    if state.lending_enabled:
+        return "lending is on"
+    if state.paused_until_wall is not None:
+        return f"lending is paused until {_utc(state.paused_until_wall)}"
+    return "lending is paused until you resume it"

@@ -27,10 +27,22 @@ class EdgeKind(enum.StrEnum):
     # A resource's pressure guard engaged, or its reading stayed unknown too long: the
     # upstreams that use that resource.
     PRESSURE = "pressure"
+    # The machine started running on its battery and the owner lends on mains power only:
+    # host-scoped upstreams, answered as the owner's return.
+    POWER = "power"
+    # The machine is about to sleep (logind's PrepareForSleep): every upstream, at once,
+    # whatever its policy, before the machine's delay lock runs out.
+    SLEEP = "sleep"
+    # The owner paused lending and asked for the machine back now (`pause --now`): every
+    # upstream, by its on_owner_return policy.
+    PAUSE = "pause"
+    # A GPU's heat guard engaged (vacancyd/heat.py): the upstreams that use that GPU,
+    # answered as a pressure edge is.
+    HEAT = "heat"
 
 
 # Edges that reclaim host-scoped work under the upstream's on_owner_return policy.
-HOST_EDGE_KINDS = frozenset({EdgeKind.OWNER, EdgeKind.HOURS})
+HOST_EDGE_KINDS = frozenset({EdgeKind.OWNER, EdgeKind.HOURS, EdgeKind.POWER})
 
 
 @attrs.frozen

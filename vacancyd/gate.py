@@ -5,9 +5,10 @@ been judged by the shared state and arrives here as plain values. That keeps the
 the rules readable in one place and testable as a table.
 
 The rules run in a fixed order and the first one that applies wins, so a refusal always
-names the most fundamental reason (lending off beats the owner's lending hours, which beat
-an absent owner, which beats a server that stopped answering, which beats a busy GPU). The
-ledger's one-job-per-resource check runs after this, outside the pure decision.
+names the most fundamental reason: lending off beats a machine going to sleep, then the
+owner's lending hours, then a present owner, then a machine on its battery, then a server
+that stopped answering, then a busy GPU. The ledger's one-job-per-resource check runs
+after this, outside the pure decision.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import math
 from vacancyd.model import (
     RETRY_INSUFFICIENT_CAPACITY,
     RETRY_LENDING_DISABLED,
+    RETRY_ON_BATTERY,
     RETRY_OUTSIDE_HOURS_MAX,
     RETRY_OWNER_VETO,
     RETRY_PRESENCE_UNSAMPLED,
     RETRY_RESOURCE_DISABLED,
+    RETRY_RESOURCE_HOT,
     RETRY_RESOURCE_PRESSURED,
     RETRY_RESOURCE_UNMEASURED,
     RETRY_SESSION_INCOMPLETE,
@@ -28,6 +31,7 @@ from vacancyd.model import (
     Admit,
     Decision,
     GateInput,
+    HeatView,
     LendingHoursView,
     ModelNeed,
     OwnerScope,
@@ -48,8 +52,14 @@ def decide(question: GateInput) -> Decision:
             RETRY_LENDING_DISABLED,
             "the owner has paused lending on this machine",
         )
+    if question.machine_sleeping:
+        return SLEEPING_REFUSAL
     if question.owner_scope is OwnerScope.HOST:
-        refusal = hours_refusal(question.lending_hours) or owner_refusal(question.presence)
+        refusal = (
+            hours_refusal(question.lending_hours)
+            or owner_refusal(question.presence)
+            or battery_refusal(question.on_battery)
+        )
         if refusal is not None:
             return refusal
     if question.upstream_not_answering:
@@ -96,6 +106,23 @@ def hours_retry_after_s(opens_in_s: float | None) -> int:
     return max(1, min(math.ceil(opens_in_s), RETRY_OUTSIDE_HOURS_MAX))
 
 
+# The machine is going to sleep: nothing is lent until it has woken, whatever the scope.
+SLEEPING_REFUSAL = Refuse(Reason.OWNER_ACTIVE, RETRY_OWNER_VETO, "this machine is going to sleep")
+
+
+# The owner lends on mains power only (`owner.lend_on_battery = false`) and the machine
+# runs on its battery: host-scoped upstreams only, like presence.
+ON_BATTERY_REFUSAL = Refuse(
+    Reason.ON_BATTERY,
+    RETRY_ON_BATTERY,
+    "this machine runs on its battery, and its owner lends it on mains power only",
+)
+
+
+def battery_refusal(on_battery: bool) -> Refuse | None:
+    return ON_BATTERY_REFUSAL if on_battery else None
+
+
 def owner_refusal(presence: PresenceView) -> Refuse | None:
     """Steps 2 to 4: presence sampled and fresh, the session readable, no veto.
 
@@ -133,7 +160,7 @@ def owner_refusal(presence: PresenceView) -> Refuse | None:
 
 
 def resource_refusal(resource: ResourceView) -> Refuse | None:
-    """Step 5, for one resource: switch, capacity quality, capacity policy, pressure."""
+    """Step 5, for one resource: switch, capacity quality, capacity policy, pressure, heat."""
     name = resource.name
     if not resource.switch_on:
         return Refuse(
@@ -175,6 +202,31 @@ def resource_refusal(resource: ResourceView) -> Refuse | None:
                 resource=name,
                 internal=pressure.detail,
             )
+    return heat_refusal(name, resource.heat)
+
+
+def heat_refusal(name: str, heat: HeatView | None) -> Refuse | None:
+    """The heat guard, last of a resource's checks: the owner's own use of a GPU (its
+    pressure) is the more telling reason, and a hot card cools whoever asks. The
+    temperature and the driver's throttle reasons are the operator's evidence."""
+    if heat is None:
+        return None
+    if heat.quality is not Quality.READY:
+        return Refuse(
+            Reason.RESOURCE_UNMEASURED,
+            RETRY_RESOURCE_UNMEASURED,
+            f"the temperature of {name} is {heat.quality.value}",
+            resource=name,
+            internal=heat.detail,
+        )
+    if heat.engaged:
+        return Refuse(
+            Reason.RESOURCE_HOT,
+            RETRY_RESOURCE_HOT,
+            f"{name} is running hot; it is lent again once it has cooled",
+            resource=name,
+            internal=heat.detail,
+        )
     return None
 
 

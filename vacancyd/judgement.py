@@ -18,6 +18,7 @@ import attrs
 from vacancyd.config import OwnerConfig, ResourceConfig
 from vacancyd.model import (
     MIB,
+    HeatView,
     LendingHoursView,
     Observation,
     PresenceReading,
@@ -53,6 +54,14 @@ class Timed:
     """A pressure view with the moment it was recorded, so its age can be judged later."""
 
     view: PressureView
+    at: float
+
+
+@attrs.frozen
+class TimedHeat:
+    """A heat view with the moment it was recorded, so its age can be judged later."""
+
+    view: HeatView
     at: float
 
 
@@ -122,9 +131,13 @@ class HoursJudgement:
 
 def owner_match(reading: PresenceReading, policy: OwnerConfig) -> str | None:
     """Why this reading engages the veto, or None when it is a clear sample."""
+    if reading.idle_inhibitors:
+        return "idle inhibitor held: " + "; ".join(reading.idle_inhibitors)
     if reading.owner_programs:
         return "owner program running: " + ", ".join(reading.owner_programs)
     match reading.session:
+        case SessionState.ACTIVE if reading.agent_signal:
+            return f"owner present: {reading.agent_signal}"
         case SessionState.ACTIVE:
             return "owner session is active"
         case SessionState.LOCKED:
@@ -163,6 +176,23 @@ def pressure_view(
     return recorded.view
 
 
+def heat_view(
+    config: ResourceConfig, recorded: TimedHeat | None, now: float, freshness_s: float
+) -> HeatView | None:
+    """The heat guard's view of a GPU, or None where no `max_temperature_c` is set."""
+    if config.kind is not ResourceKind.NVIDIA_GPU or config.max_temperature_c is None:
+        return None
+    if recorded is None:
+        return HeatView(Quality.UNKNOWN, detail="no temperature reading yet")
+    age = now - recorded.at
+    if age > freshness_s:
+        # A loop that stopped reading must not leave its last "cool" standing.
+        return attrs.evolve(
+            recorded.view, quality=Quality.STALE, detail=f"no temperature reading for {age:.0f}s"
+        )
+    return recorded.view
+
+
 def resource_view(
     config: ResourceConfig,
     switch_on: bool,
@@ -171,6 +201,8 @@ def resource_view(
     pressure: PressureView | None,
     now: float,
     freshness_s: float,
+    *,
+    heat: HeatView | None = None,
 ) -> ResourceView:
     """One resource as the gate sees it: quality first, capacity policy only when READY."""
     quality = capacity_quality(observation, failure, now, freshness_s)
@@ -184,6 +216,7 @@ def resource_view(
             quality=quality,
             quality_detail=quality_detail or "no reading yet",
             pressure=pressure,
+            heat=heat,
         )
     lendable, policy_detail, spare = capacity_policy(config, observation)
     return ResourceView(
@@ -194,6 +227,7 @@ def resource_view(
         policy_detail=policy_detail,
         spare_mib=spare,
         pressure=pressure,
+        heat=heat,
     )
 
 

@@ -59,6 +59,11 @@ class Reason(enum.Enum):
     OUTSIDE_LENDING_HOURS = "outside_lending_hours"
     # The upstream missed a deadline for an answer and has not answered a health read since.
     UPSTREAM_UNRESPONSIVE = "upstream_unresponsive"
+    # The machine runs on its battery (UPower OnBattery) and the owner lends on mains only.
+    ON_BATTERY = "on_battery"
+    # A GPU is hotter than its max_temperature_c, or the driver throttles it for heat or
+    # power; it is lent again once it has stayed cool for the guard's release time.
+    RESOURCE_HOT = "resource_hot"
 
 
 class PressureQuality(enum.Enum):
@@ -107,6 +112,22 @@ class PresenceReading:
     session: SessionState
     owner_programs: tuple[str, ...] = ()
     detail: str = ""
+    # logind idle inhibitors held by the owner ("who: why (uid 1000)"): the owner's own
+    # "keep my machine" switch, which makes them present whatever the session says.
+    idle_inhibitors: tuple[str, ...] = ()
+    # The session agent's deciding signal, where an agent judged the owner's desk
+    # ("media playing: firefox (mpris)"); empty where logind's hints decided.
+    agent_signal: str = ""
+
+
+@attrs.frozen
+class PowerReading:
+    """Whether the machine runs on its battery, stamped with trio time. `on_battery` is
+    None where it is not read (no UPower, no system bus): such a machine lends as before."""
+
+    on_battery: bool | None
+    taken_at: float
+    detail: str = ""
 
 
 @attrs.frozen
@@ -116,6 +137,25 @@ class PressureView:
     quality: PressureQuality
     engaged: bool = False
     detail: str = ""
+
+
+@attrs.frozen
+class HeatView:
+    """A GPU's heat guard as the gate sees it (only where `max_temperature_c` is set).
+
+    `quality` is UNKNOWN while the GPU's temperature could not be read (a GPU that does
+    not report it stays so, and is never lent: a guard that cannot see heat must not
+    guess), STALE when readings stopped arriving. `throttle_reasons` are the driver's
+    clock event reasons as words, None where the driver does not report them;
+    `engaged_at` is the trio time the guard last engaged, None while it is released.
+    """
+
+    quality: Quality
+    engaged: bool = False
+    detail: str = ""
+    temperature_c: float | None = None
+    throttle_reasons: tuple[str, ...] | None = None
+    engaged_at: float | None = None
 
 
 @attrs.frozen
@@ -135,6 +175,7 @@ class ResourceView:
     spare_mib: int | None = None
     pressure: PressureView | None = None
     quality_detail: str = ""
+    heat: HeatView | None = None
 
 
 @attrs.frozen
@@ -225,6 +266,10 @@ class GateInput:
     # Why the upstream counts as not answering (it missed a deadline for an answer and
     # has not answered a health read since); empty while it answers.
     upstream_not_answering: str = ""
+    # The machine runs on its battery and the owner lends on mains power only.
+    on_battery: bool = False
+    # The machine is about to sleep (logind's PrepareForSleep), until it has woken.
+    machine_sleeping: bool = False
 
 
 @attrs.frozen
@@ -281,5 +326,9 @@ RETRY_OUTSIDE_HOURS_MAX = 3600
 # A server that stopped answering is read again every few seconds; a gateway that comes
 # back in half a minute finds it answering again, or is told again.
 RETRY_UPSTREAM_UNRESPONSIVE = 30
+# A laptop is plugged in again on a scale of minutes to hours.
+RETRY_ON_BATTERY = 300
+# A hot GPU cools for the guard's release time (60 s by default) before it is lent again.
+RETRY_RESOURCE_HOT = 60
 
 MIB = 1024 * 1024

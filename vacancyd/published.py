@@ -68,6 +68,21 @@ def _no_upstreams() -> frozenset[str]:
     return frozenset()
 
 
+# /status `sleep` where nothing watches logind for suspends (not Linux).
+NOT_WATCHED: Mapping[str, object] = {
+    "watched": False,
+    "delay_lock_held": False,
+    "going_to_sleep": False,
+    "delay_max_s": None,
+    "last_release_s": None,
+    "detail": "not watched on this platform",
+}
+
+
+def _not_watched() -> Mapping[str, object]:
+    return NOT_WATCHED
+
+
 @attrs.frozen
 class Published:
     """The readers the API is given; each callable returns its owner's current view."""
@@ -82,3 +97,8 @@ class Published:
     unseen_gpu_work: Callable[[], frozenset[str]] = _no_upstreams
     # Per upstream: does its own server listen only on loopback? (collect/listeners.py)
     listener_states: Callable[[], Mapping[str, str]] = _no_notes
+    # Whether suspends are watched and a delay lock is held (presence/sleep.py).
+    sleep: Callable[[], Mapping[str, object]] = _not_watched
+    # The session agents' socket and what it heard, at a trio time (presence/agents.py);
+    # None where no agent can report (not logind, or no socket).
+    agents: Callable[[float], Mapping[str, object]] | None = None

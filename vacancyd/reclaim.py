@@ -3,10 +3,10 @@
 One task per upstream listens for rising edges in shared state: the owner veto engaging
 or the owner's lending hours ending (host-scoped upstreams only; the end of a lending
 window is reclaimed exactly like the owner's return) and a resource's pressure guard
-engaging or its reading staying unknown too long (upstreams that use that resource; while
-the veto is engaged, only resource-scoped ones, since the veto has already reclaimed the
-rest). Each resource's edges are its own: an edge on one GPU never touches an upstream
-that does not use it.
+engaging or its reading staying unknown too long, or a GPU's heat guard engaging
+(upstreams that use that resource; while the veto is engaged, only resource-scoped ones,
+since the veto has already reclaimed the rest). Each resource's edges are its own: an
+edge on one GPU never touches an upstream that does not use it.
 
 The upstream's `on_owner_return` policy decides what happens to work admitted before the
 edge (the decision itself is the pure `reclaim_plan.plan_reclaim`; this task gathers the
@@ -16,8 +16,8 @@ facts it needs and carries out its answer):
   cut; later edges join the same reclaim and never move its deadline;
 * finish: they may finish; nothing is cut.
 While a drain or finish waits it re-checks its trigger with the gate's own checks; if the
-owner has gone again and every pressured resource reads fresh, calibrated and clear, the
-reclaim stands down and nothing is cut or unloaded.
+owner has gone again and every guarded resource reads fresh, calibrated, clear and cool,
+the reclaim stands down and nothing is cut or unloaded.
 
 Then, where the adapter can: borrowed jobs the upstream still runs on its own (a queued
 ComfyUI prompt) are cancelled by id (never in finish mode), and with `yield_on_veto` the
@@ -41,14 +41,17 @@ from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import UpstreamConfig, parse_target
 from vacancyd.edges import Edge, EdgeKind, Trigger
 from vacancyd.errors import log_unexpected
-from vacancyd.gate import hours_refusal, owner_refusal
+from vacancyd.gate import ON_BATTERY_REFUSAL, SLEEPING_REFUSAL, hours_refusal, owner_refusal
 from vacancyd.model import (
     MIB,
+    RETRY_LENDING_DISABLED,
     RETRY_OUTSIDE_HOURS_MAX,
     RETRY_OWNER_VETO,
+    RETRY_RESOURCE_HOT,
     RETRY_RESOURCE_PRESSURED,
     OwnerScope,
     PressureQuality,
+    Quality,
     Reason,
     Refuse,
     ResourceKind,
@@ -119,6 +122,9 @@ class UpstreamReclaim:
         self._target = parse_target(upstream.target)
         self.current: ReclaimRecord | None = None
         self.last: ReclaimRecord | None = None
+        # The last edge this task has given work back for, as far as a machine about to
+        # sleep needs: running work cut and the unload asked for (not yet confirmed).
+        self.settled_seq = 0
         self.statistics = ReclaimStatistics()
 
     # -- edges --------------------------------------------------------------------------
@@ -152,14 +158,18 @@ class UpstreamReclaim:
     # -- one reclaim ----------------------------------------------------------------------
 
     async def reclaim(self, edges: list[Edge], seen: int) -> int:
-        """Answer these edges (and any that coalesce into them); returns the last seq seen."""
+        """Answer these edges (and any that coalesce into them); returns the last seq seen.
+
+        A sleep edge, first or arriving while this waits, makes the reclaim urgent: the
+        wait ends and running work is cut at once whatever the policy (reclaim_plan)."""
         first = edges[0]
         policy = self.upstream.on_owner_return
-        refusal = self._refusal_for(first)
+        sleep = next((edge for edge in edges if edge.kind is EdgeKind.SLEEP), None)
+        refusal = self._refusal_for(sleep or first)
         affected = [
             r for r in self._ledger.entries_for(self.upstream.name) if r.started_at <= first.at
         ]
-        plan = self._plan(first, affected)
+        plan = self._plan(first, affected, urgent=sleep is not None)
         limit = plan.limit_at(
             first.at,
             drain_timeout_s=self.upstream.drain_timeout_s,
@@ -186,7 +196,9 @@ class UpstreamReclaim:
                     seen = edge.seq
                     if self._concerns(edge):
                         record.edges.append(edge.at)  # coalesces; the deadline stays
-                plan = self._plan(first, affected)
+                        if edge.kind is EdgeKind.SLEEP and sleep is None:
+                            sleep, refusal = edge, self._refusal_for(edge)
+                plan = self._plan(first, affected, urgent=sleep is not None)
         if waiting.cancelled_caught:
             plan = self._plan(first, affected, deadline_passed=True)
         record.phase = plan.phase
@@ -202,16 +214,29 @@ class UpstreamReclaim:
                     self.statistics.cancellations += 1
             # Before any checkpoint, so the cut connection cannot release it first.
             self._hold_unproven(running, record)
+        if not plan.unload:
+            self._settled(seen)
         async with trio.open_nursery() as nursery:
             if plan.cancel_upstream_jobs:
                 nursery.start_soon(self._cancel_upstream_jobs_safely, affected, record)
             if plan.unload:
-                nursery.start_soon(self._unload_and_confirm_safely, record, affected)
+                nursery.start_soon(self._unload_and_confirm_safely, record, affected, seen)
         self._finish(record, "cancelled" if record.cancelled_jobs else "completed")
         return seen
 
+    def _settled(self, seq: int) -> None:
+        """Work is given back as far as a machine about to sleep needs (see settled_seq)."""
+        if seq > self.settled_seq:
+            self.settled_seq = seq
+            self._state.notify()
+
     def _plan(
-        self, first: Edge, affected: list[Reservation], *, deadline_passed: bool = False
+        self,
+        first: Edge,
+        affected: list[Reservation],
+        *,
+        deadline_passed: bool = False,
+        urgent: bool = False,
     ) -> ReclaimPlan:
         """Gather the facts as they stand now and let the pure plan decide."""
         running = bool(self._still_running(affected))
@@ -225,6 +250,7 @@ class UpstreamReclaim:
                 # Read only while there is work to wait for: it is what the wait is about.
                 trigger_cleared=running and not deadline_passed and self._trigger_cleared(),
                 deadline_passed=deadline_passed,
+                urgent=urgent,
             )
         )
 
@@ -242,12 +268,30 @@ class UpstreamReclaim:
                 return Refuse(
                     Reason.OWNER_ACTIVE, RETRY_OWNER_VETO, f"the owner is back: {edge.reason}"
                 )
+            case EdgeKind.POWER:
+                return ON_BATTERY_REFUSAL
+            case EdgeKind.SLEEP:
+                return SLEEPING_REFUSAL
+            case EdgeKind.PAUSE:
+                return Refuse(
+                    Reason.LENDING_DISABLED,
+                    RETRY_LENDING_DISABLED,
+                    "the owner paused lending and took the machine back",
+                )
             case EdgeKind.PRESSURE:
                 return Refuse(
                     Reason.RESOURCE_PRESSURED,
                     RETRY_RESOURCE_PRESSURED,
                     f"the owner needs {edge.resource}: {edge.reason}",
                     resource=edge.resource,
+                )
+            case EdgeKind.HEAT:
+                return Refuse(
+                    Reason.RESOURCE_HOT,
+                    RETRY_RESOURCE_HOT,
+                    f"{edge.resource} is running hot and is given back to cool",
+                    resource=edge.resource,
+                    internal=edge.reason,
                 )
 
     def _still_running(self, affected: list[Reservation]) -> list[Reservation]:
@@ -261,16 +305,22 @@ class UpstreamReclaim:
         host edge on a resource-scoped upstream) is the plan's to say.
         """
         now = trio.current_time()
+        if not self._state.lending_enabled:
+            return False
         if self.upstream.owner_scope is OwnerScope.HOST and (
             owner_refusal(self._state.presence_view(now)) is not None
             or hours_refusal(self._state.lending_hours_view(now)) is not None
+            or self._state.on_battery_refused()
         ):
             return False
         for name in self._resources:
-            pressure = self._state.resource_view(name, now).pressure
-            if pressure is None:
-                continue
-            if pressure.quality is not PressureQuality.READY or pressure.engaged:
+            view = self._state.resource_view(name, now)
+            pressure, heat = view.pressure, view.heat
+            if pressure is not None and (
+                pressure.quality is not PressureQuality.READY or pressure.engaged
+            ):
+                return False
+            if heat is not None and (heat.quality is not Quality.READY or heat.engaged):
                 return False
         return True
 
@@ -293,13 +343,14 @@ class UpstreamReclaim:
                     )
 
     async def _unload_and_confirm_safely(
-        self, record: ReclaimRecord, affected: list[Reservation]
+        self, record: ReclaimRecord, affected: list[Reservation], seen: int
     ) -> None:
         """Unload and confirm; a failure nobody planned for is reported as an unload not
         confirmed, never a reclaim task (and a daemon) that ends."""
         try:
-            await self._unload_and_confirm(record, affected)
+            await self._unload_and_confirm(record, affected, seen)
         except Exception as exc:
+            self._settled(seen)
             log_unexpected(log, f"unloading {self.upstream.name}", exc)
             record.unload = f"error: the unload failed ({type(exc).__name__}); memory NOT confirmed"
 
@@ -349,7 +400,9 @@ class UpstreamReclaim:
                 )
             missing = frozenset(missing - found)
 
-    async def _unload_and_confirm(self, record: ReclaimRecord, affected: list[Reservation]) -> None:
+    async def _unload_and_confirm(
+        self, record: ReclaimRecord, affected: list[Reservation], seen: int = 0
+    ) -> None:
         actions = self.adapter.actions
         assert actions is not None
         # Every job vacancyd admitted to this server, through any upstream that reaches it:
@@ -369,7 +422,11 @@ class UpstreamReclaim:
         started = trio.current_time()
         # Whatever the unload does, residency read before it proves nothing any more.
         self._ledger.note_yield(self._resources)
-        report = await actions.unload(self._context(), ours)
+        try:
+            report = await actions.unload(self._context(), ours)
+        finally:
+            # Asked: a machine about to sleep need not wait for the memory to come back.
+            self._settled(seen)
         if not (report.error or report.skipped):
             record.unload_requested_at = trio.current_time()
             self.statistics.unload_requested_s.append(record.unload_requested_at - started)

@@ -67,6 +67,7 @@ class ReclaimFacts:
     (held work does not count: it is neither waited for nor cut).
     `trigger_cleared`: admission's own checks would let this upstream's work run again.
     `deadline_passed`: the wait's limit (`ReclaimPlan.limit_at`) has passed.
+    `urgent`: the machine is about to sleep: whatever the policy, proceed and cut now.
     """
 
     policy: OnOwnerReturn
@@ -76,6 +77,7 @@ class ReclaimFacts:
     work_running: bool = False
     trigger_cleared: bool = False
     deadline_passed: bool = False
+    urgent: bool = False
 
 
 @attrs.frozen
@@ -128,7 +130,21 @@ def plan_reclaim(facts: ReclaimFacts) -> ReclaimPlan:
 
     Proceeding cuts what still runs unless the policy is `finish`, which also leaves the
     upstream's own jobs alone; the unload is asked for under every policy.
+
+    An urgent reclaim (the machine is about to sleep) proceeds and cuts at once whatever
+    the policy: a machine asleep on a borrowed job serves nobody, and logind waits only
+    seconds for its delay locks.
     """
+    if facts.urgent:
+        return ReclaimPlan(
+            phase=ReclaimPhase.PROCEEDING,
+            wait_limit=WaitLimit.EDGE,
+            cuts_at_limit=True,
+            stands_down_if_cleared=False,
+            cut=facts.work_running,
+            cancel_upstream_jobs=True,
+            unload=facts.can_unload,
+        )
     policy = facts.policy
     cuts = policy is not OnOwnerReturn.FINISH
     # A host edge on a resource-scoped upstream: nothing this upstream checks can clear it.
@@ -157,10 +173,13 @@ def answers_edge(
 ) -> bool:
     """Whether an upstream answers an edge of this kind at all.
 
-    Host edges (the owner's return, the end of the lending hours) concern host-scoped
-    upstreams only. A pressure edge concerns the upstreams that use its resource, except
-    host-scoped ones while the owner veto stands: the veto has already reclaimed them.
+    Host edges (the owner's return, the end of the lending hours, the battery) concern
+    host-scoped upstreams only. A pressure edge concerns the upstreams that use its
+    resource, except host-scoped ones while the owner veto stands: the veto has already
+    reclaimed them. A sleep edge and the owner's `pause --now` concern every upstream.
     """
+    if kind in (EdgeKind.SLEEP, EdgeKind.PAUSE):
+        return True
     host_scoped = owner_scope is OwnerScope.HOST
     if kind in HOST_EDGE_KINDS:
         return host_scoped

@@ -7,8 +7,10 @@ with `nursery.start`:
     |-- operations   debug-window, holds-saver, service-notifications (systemd READY /
     |                WATCHDOG)
     |-- collectors   owner-controls, collector:nvml, collector:pressure, collector:system,
-    |                collector:listeners, presence: everything that writes SharedState
-    |-- yield        reclaim:<upstream>, one per upstream
+    |                collector:listeners, power (Linux), presence: everything that writes
+    |                SharedState
+    |-- yield        sleep (Linux: gives borrowed work back before a suspend),
+    |                reclaim:<upstream>, one per upstream
     |-- proxies      job-trackers, health:<upstream> (reads a server that stopped
     |                answering), proxy:<upstream>, one listener per upstream
     '-- api          api, the API's listener
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
@@ -47,21 +50,30 @@ from vacancyd.collect.listeners import SCAN_EVERY_S, ListenerWatch
 from vacancyd.collect.nvml import NvmlCollector
 from vacancyd.collect.pressure import PressureCollector
 from vacancyd.collect.system import run_system_collector
-from vacancyd.config import Config, parse_listen, parse_target, resolve_state_dir
-from vacancyd.controls import OwnerControls
+from vacancyd.config import (
+    Config,
+    PresenceBackend,
+    parse_listen,
+    parse_target,
+    resolve_state_dir,
+)
+from vacancyd.controls import OwnerControls, agent_socket_path, answer_owner
 from vacancyd.decisions import DecisionLog
 from vacancyd.errors import StartupError
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.model import ResourceKind
 from vacancyd.operations import Operations
 from vacancyd.persist import StateFileProblems, ensure_private_dir, runtime_directory
+from vacancyd.presence.agents import AgentHub
 from vacancyd.presence.backends import choose_backend
 from vacancyd.presence.loop import run_presence
+from vacancyd.presence.power import PowerWatch
+from vacancyd.presence.sleep import SleepWatch
 from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
 from vacancyd.proxy.health import HealthWatch
 from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_request
-from vacancyd.published import BoundListeners, PresenceSource, Published
+from vacancyd.published import NOT_WATCHED, BoundListeners, PresenceSource, Published
 from vacancyd.reachability import Reachability
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard, serve_app
@@ -255,11 +267,12 @@ async def run_daemon(
     # The owner's saved switches, before anything can be lent: a pause survives a restart.
     controls = OwnerControls.for_config(state, state_dir, state_files=state_files)
     controls.restore()
+    runtime_dir = runtime_directory(os.environ if environ is None else environ)
     ledger = Ledger(
         state,
         holds_path=state_dir / "holds.json",
         state_files=state_files,
-        runtime_dir=runtime_directory(os.environ if environ is None else environ),
+        runtime_dir=runtime_dir,
     )
     restored = ledger.restore_holds(set(state.resources))
     if restored:
@@ -328,7 +341,19 @@ async def run_daemon(
                 heartbeat=ops.heartbeat("collector:system", every_s=poll, round_within_s=deadline),
             ),
         )
-        backend = choose_backend(config.owner)
+        # The owner's session agents report here (Linux, with logind); their uid must own
+        # an active graphical session, which the logind backend read last.
+        agents: AgentHub | None = None
+        agent_socket = agent_socket_path(config.owner.agent_socket, runtime_dir)
+        if agent_socket is not None and config.owner.presence is not PresenceBackend.HEADLESS:
+            agents = AgentHub(
+                agent_socket,
+                lambda: getattr(backend, "owner_uids", frozenset()),
+                partial(answer_owner, controls),
+            )
+        backend = choose_backend(config.owner, agents=agents)
+        if agents is not None and hasattr(backend, "owner_uids"):
+            await collectors.start("agents", agents.run)
         listener_watch = ListenerWatch(
             targets,
             deadline_s=config.server.probe_deadline_s,
@@ -338,15 +363,22 @@ async def run_daemon(
         )
         await collectors.start("collector:listeners", listener_watch.run)
         bound = BoundListeners()
+        # Filled in once the sleep watch exists (it needs the reclaims, made further down).
+        sleep_view: list[Callable[[], Mapping[str, object]]] = []
         published = Published(
+            sleep=lambda: sleep_view[0]() if sleep_view else NOT_WATCHED,
             listeners=bound,
             reachability=Reachability(),
             state_files=state_files,
             presence=PresenceSource(backend.name, backend.scope_note),
+            agents=agents.view if agents is not None and hasattr(backend, "owner_uids") else None,
             collector_notes=nvml.broker.notes if nvml is not None else dict,
             unseen_gpu_work=(lambda: pressure.unseen_gpu_work) if gpus else frozenset,
             listener_states=listener_watch.states,
         )
+        if sys.platform.startswith("linux"):
+            # Signal-driven; a machine without UPower is simply not read (lends as before).
+            await collectors.start("power", PowerWatch(state).run)
         await collectors.start(
             "presence",
             partial(
@@ -363,6 +395,15 @@ async def run_daemon(
 
         background: trio.Nursery = await proxies.start("job-trackers", _background_nursery)
         reclaims: dict[str, UpstreamReclaim] = {}
+        if sys.platform.startswith("linux"):
+            # Gives borrowed work back before a suspend; reclaims are read when one comes.
+            sleep_watch = SleepWatch(
+                state,
+                ledger.has_running_work,
+                lambda seq: all(r.settled_seq >= seq for r in reclaims.values()),
+            )
+            sleep_view.append(sleep_watch.view)
+            await yielding.start("sleep", sleep_watch.run)
         can_unload: dict[str, bool] = {}
         guards: dict[str, ListenerGuard] = {}
         # Learned and estimated footprints, shared by every proxy (read once, here).

@@ -21,9 +21,11 @@ from vacancyd.judgement import (
     HostVeto,
     HoursJudgement,
     Timed,
+    TimedHeat,
     capacity_quality,
     emergency_reserve_mib,
     freshness_bound_s,
+    heat_view,
     lending_hours_view,
     owner_match,
     presence_view,
@@ -32,10 +34,12 @@ from vacancyd.judgement import (
 )
 from vacancyd.model import (
     GateInput,
+    HeatView,
     LendingHoursView,
     ModelNeed,
     Observation,
     OwnerScope,
+    PowerReading,
     PresenceReading,
     PresenceView,
     PressureView,
@@ -80,12 +84,17 @@ class SharedState:
         # Why a collector could not read a resource, and when it said so.
         self._unavailable: dict[str, Failure] = {}
         self._pressure: dict[str, Timed] = {}
+        self._heat: dict[str, TimedHeat] = {}
         # Reclaim edges, oldest first; readers remember the last seq they handled.
         self.edges: list[Edge] = []
         self.edge_seq = 0
         self._changed = trio.Event()
         self._sample_wanted = trio.Event()
         self.sample_requests = 0
+        # Whether the machine runs on its battery (presence/power.py); None before a read.
+        self.power: PowerReading | None = None
+        # The machine is about to sleep (logind's PrepareForSleep), until it has woken.
+        self.sleeping = False
         # Upstreams that missed a deadline for an answer: why, and since when (trio time).
         # Each refuses new work until it answers a health read (proxy/health.py).
         self.not_answering: dict[str, Failure] = {}
@@ -115,6 +124,30 @@ class SharedState:
             self.add_edge(EdgeKind.OWNER, reading.taken_at, why or "owner returned")
         self._notify()
 
+    def set_sleeping(self, sleeping: bool, at: float) -> None:
+        """The machine is about to sleep (a sleep edge: every upstream gives its work back
+        at once), or has woken."""
+        if sleeping and not self.sleeping:
+            self.add_edge(EdgeKind.SLEEP, at, "the machine is going to sleep")
+        self.sleeping = sleeping
+        self._notify()
+
+    def record_power(self, reading: PowerReading) -> None:
+        """A power reading; the machine starting to run on its battery, where the owner
+        lends on mains only, is a power edge (reclaimed like the owner's return)."""
+        was_on_battery = self.power is not None and self.power.on_battery is True
+        self.power = reading
+        if reading.on_battery is True and not was_on_battery and self._refuses_battery():
+            self.add_edge(EdgeKind.POWER, reading.taken_at, "the machine runs on its battery")
+        self._notify()
+
+    def on_battery_refused(self) -> bool:
+        """Whether host-scoped work is refused now because the machine runs on battery."""
+        return self.power is not None and self.power.on_battery is True and self._refuses_battery()
+
+    def _refuses_battery(self) -> bool:
+        return not self.config.owner.lend_on_battery
+
     def mark_not_answering(self, upstream: str, why: str) -> None:
         """An upstream missed a deadline for an answer: refuse its new work from now on."""
         if upstream not in self.not_answering:
@@ -133,6 +166,10 @@ class SharedState:
 
     def record_pressure(self, resource: str, view: PressureView) -> None:
         self._pressure[resource] = Timed(view, trio.current_time())
+        self._notify()
+
+    def record_heat(self, resource: str, view: HeatView) -> None:
+        self._heat[resource] = TimedHeat(view, trio.current_time())
         self._notify()
 
     def add_edge(self, kind: EdgeKind, at: float, reason: str, resource: str | None = None) -> Edge:
@@ -230,6 +267,7 @@ class SharedState:
             pressure_view(config, self._pressure.get(name), now, self.freshness_s),
             now,
             self.freshness_s,
+            heat=heat_view(config, self._heat.get(name), now, self.freshness_s),
         )
 
     def gate_input(
@@ -250,6 +288,8 @@ class SharedState:
             need=need,
             lending_hours=self.lending_hours_view(now),
             upstream_not_answering=_why(self.not_answering.get(upstream)),
+            on_battery=self.on_battery_refused(),
+            machine_sleeping=self.sleeping,
         )
 
 

@@ -62,6 +62,17 @@ def render_status(document: dict[str, Any]) -> str:
     )
     if presence.get("scope"):
         lines.append(f"  {presence['scope']}")
+    if presence.get("decided_by"):
+        lines.append(f"  decided by {presence['decided_by']}")
+    for held in presence.get("idle_inhibitors") or []:
+        lines.append(f"  idle inhibitor: {held}")
+    power, sleep = document.get("power"), document.get("sleep")
+    if power and power.get("read"):
+        battery = "on battery" if power.get("on_battery") else "on mains power"
+        refuses = " · refuses on_battery" if power.get("refuses") else ""
+        lines.append(f"power: {battery}{refuses}")
+    if sleep and sleep.get("going_to_sleep"):
+        lines.append("sleep: the machine is going to sleep: nothing is lent")
     veto = document["owner_veto"]
     lines.append(
         f"owner veto: {'ENGAGED (' + veto['reason'] + ')' if veto['engaged'] else 'clear'}"
@@ -74,6 +85,9 @@ def render_status(document: dict[str, Any]) -> str:
             facts.append(f"{resource['free_bytes'] // (1024 * 1024)} MiB free")
         if resource.get("utilization_pct") is not None:
             facts.append(f"{resource['utilization_pct']:.0f}% busy")
+        heat = resource.get("heat")
+        if heat and heat.get("temperature_c") is not None:
+            facts.append(f"{heat['temperature_c']:g}°C" + (" (hot)" if heat["engaged"] else ""))
         if not resource["enabled"]:
             facts.append("switched off")
         if resource.get("reserved_by") is not None:

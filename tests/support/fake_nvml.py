@@ -45,6 +45,14 @@ NVML_ERROR_UNKNOWN = 999
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
 
+# Clock event ("throttle") reason bits, as nvml.h numbers them.
+CLOCKS_GPU_IDLE = 0x1
+CLOCKS_SW_POWER_CAP = 0x4
+CLOCKS_HW_SLOWDOWN = 0x8
+CLOCKS_SW_THERMAL_SLOWDOWN = 0x20
+CLOCKS_HW_THERMAL_SLOWDOWN = 0x40
+CLOCKS_HW_POWER_BRAKE_SLOWDOWN = 0x80
+
 
 # -- the state file -------------------------------------------------------------------------
 
@@ -75,6 +83,10 @@ class FakeGpu:
     reserved_bytes: int = 0
     util_pct: int = 0
     memory_util_pct: int = 0
+    # The core temperature and the clock event reason bits; None: NOT_SUPPORTED, as a GPU
+    # that does not report them answers.
+    temperature_c: int | None = 45
+    throttle_reasons: int | None = 0
     compute: list[FakeProcess] = attrs.Factory(list)
     graphics: list[FakeProcess] = attrs.Factory(list)
     samples: list[FakeSample] = attrs.Factory(list)
@@ -126,6 +138,10 @@ def render(world: FakeNvml | Mapping[str, Any]) -> str:
             f"memory {gpu.total_bytes} {gpu.used_bytes} {gpu.reserved_bytes}",
             f"util {gpu.util_pct} {gpu.memory_util_pct}",
         ]
+        if gpu.temperature_c is not None:
+            lines.append(f"temp {gpu.temperature_c}")
+        if gpu.throttle_reasons is not None:
+            lines.append(f"throttle {gpu.throttle_reasons:#x}")
         for kind, processes in (("compute", gpu.compute), ("graphics", gpu.graphics)):
             for p in processes:
                 used = "na" if p.used_bytes is None else str(p.used_bytes)
@@ -222,6 +238,18 @@ def fake_nvml_library() -> Path:
     if len(lines) != 1:
         raise RuntimeError(f"ensure_fake_nvml.sh printed {result.stdout!r}")
     return Path(lines[0].split("=", 1)[1])
+
+
+def subprocess_env(state: Path, log: Path) -> dict[str, str]:
+    """What a daemon subprocess needs to load the stand-in as its libnvidia-ml.so.1: the
+    library's directory first on LD_LIBRARY_PATH, and its own state file and call log."""
+    library_dir = str(fake_nvml_library().parent)
+    inherited = os.environ.get("LD_LIBRARY_PATH")
+    return {
+        "LD_LIBRARY_PATH": f"{library_dir}:{inherited}" if inherited else library_dir,
+        "FAKE_NVML_STATE": str(state),
+        "FAKE_NVML_LOG": str(log),
+    }
 
 
 class FakeNvmlLibrary:

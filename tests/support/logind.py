@@ -44,6 +44,8 @@ MANAGER_PATH = "/org/freedesktop/login1"
 MANAGER_INTERFACE = "org.freedesktop.login1.Manager"
 SESSION_INTERFACE = "org.freedesktop.login1.Session"
 MOCK_INTERFACE = "org.freedesktop.DBus.Mock"
+UPOWER = "org.freedesktop.UPower"
+UPOWER_PATH = "/org/freedesktop/UPower"
 START_TIMEOUT_S = 30.0
 
 BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
@@ -105,6 +107,9 @@ class MockLogind:
         self._bus: trio.Process | None = None
         self._logind: trio.Process | None = None
         self._systemd: trio.Process | None = None
+        # Whether this logind has the test's inhibitor method and properties yet.
+        self._inhibitors_ready = False
+        self._upower: trio.Process | None = None
 
     # -- the bus -------------------------------------------------------------------------
 
@@ -137,6 +142,9 @@ class MockLogind:
         if self._systemd is not None:
             await _stop(self._systemd)
             self._systemd = None
+        if self._upower is not None:
+            await _stop(self._upower)
+            self._upower = None
         if self._bus is not None:
             await _stop(self._bus)
             self._bus = None
@@ -146,6 +154,7 @@ class MockLogind:
     async def start_logind(self) -> None:
         """Start the mock logind (with no sessions) and return once it owns its name."""
         self._logind = await self._start_template("logind", LOGIND)
+        self._inhibitors_ready = False
 
     async def start_systemd(self) -> None:
         """Start dbusmock's systemd manager (its Version is "v246") beside logind."""
@@ -169,6 +178,26 @@ class MockLogind:
             await self._wait_name(owned=True, name=name)
             nursery.cancel_scope.cancel()
         return process
+
+    async def start_upower(self) -> None:
+        """dbusmock's UPower (OnBattery false) beside logind, on the same bus."""
+        self._upower = await self._start_template("upower", UPOWER)
+
+    async def stop_upower(self) -> None:
+        if self._upower is None:
+            return
+        process, self._upower = self._upower, None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(self._wait_name, owned=False, name=UPOWER))
+            await _stop(process)
+
+    async def set_on_battery(self, on_battery: bool) -> None:
+        """Unplug (or plug in) the mains: UPower announces it with PropertiesChanged."""
+        address = DBusAddress(UPOWER_PATH, bus_name=UPOWER, interface=MOCK_INTERFACE)
+        await self._call(
+            new_method_call(address, "UpdateProperties", "sa{sv}",
+                            (UPOWER, {"OnBattery": ("b", on_battery)}))
+        )  # fmt: skip
 
     async def stop_logind(self) -> None:
         """Kill the mock logind and return once the bus has dropped its name."""
@@ -292,6 +321,39 @@ class MockLogind:
             session_id, IdleHint=("b", idle), IdleSinceHintMonotonic=("t", max(since, 0))
         )
 
+    # -- inhibitors ---------------------------------------------------------------------
+
+    async def set_inhibitors(self, rows: Sequence[tuple[str, str, str, str, int, int]]) -> None:
+        """Make ListInhibitors answer `rows` ((what, who, why, mode, uid, pid) each), and
+        announce the change as logind does: PropertiesChanged of the Manager's
+        BlockInhibited and DelayInhibited, the union of `what` per kind of mode.
+
+        The template's own Inhibit records every caller as uid 1000 and announces
+        nothing; this stands in for inhibitors taken by users the test chooses.
+        """
+        if not self._inhibitors_ready:
+            await self._mock(MANAGER_PATH, "AddProperty", "ssv", MANAGER_INTERFACE,
+                             "BlockInhibited", ("s", ""))  # fmt: skip
+            await self._mock(MANAGER_PATH, "AddProperty", "ssv", MANAGER_INTERFACE,
+                             "DelayInhibited", ("s", ""))  # fmt: skip
+            await self._mock(MANAGER_PATH, "AddMethod", "sssss", MOCK_INTERFACE,
+                             "SetTestInhibitors", "a(ssssuu)", "", _SET_INHIBITORS)  # fmt: skip
+            self._inhibitors_ready = True
+        await self._mock(MANAGER_PATH, "SetTestInhibitors", "a(ssssuu)", list(rows))
+
+    async def list_inhibitors(self) -> list[tuple[str, str, str, str, int, int]]:
+        address = DBusAddress(MANAGER_PATH, bus_name=LOGIND, interface=MANAGER_INTERFACE)
+        (rows,) = await self._call(new_method_call(address, "ListInhibitors"))
+        return [tuple(row) for row in rows]
+
+    async def prepare_for_sleep(self, starting: bool) -> None:
+        """What logind sends before a suspend (true) and after the resume (false). Nothing
+        here suspends anything: the signal is all a test needs, and all it may send."""
+        await self._mock(
+            MANAGER_PATH, "EmitSignal", "sssav", MANAGER_INTERFACE, "PrepareForSleep", "b",
+            [("b", starting)],
+        )  # fmt: skip
+
     async def emit_manager_signal(self, member: str, session_id: str, path: str) -> None:
         await self._mock(
             MANAGER_PATH, "EmitSignal", "sssav", MANAGER_INTERFACE, member, "so",
@@ -311,6 +373,19 @@ class MockLogind:
     async def _mock(self, path: str, method: str, signature: str, *args: Any) -> Any:
         address = DBusAddress(path, bus_name=LOGIND, interface=MOCK_INTERFACE)
         return await self._call(new_method_call(address, method, signature, args))
+
+
+# Run inside the mock (dbusmock executes a method's code with its module's globals, where
+# the template keeps `inhibitors`, the list its ListInhibitors answers).
+_SET_INHIBITORS = """
+globals()["inhibitors"] = [tuple(row) for row in args[0]]
+block = sorted({w for row in args[0] if row[3] != "delay" for w in row[0].split(":")})
+delay = sorted({w for row in args[0] if row[3] == "delay" for w in row[0].split(":")})
+self.UpdateProperties("org.freedesktop.login1.Manager", {
+    "BlockInhibited": dbus.String(":".join(block)),
+    "DelayInhibited": dbus.String(":".join(delay)),
+})
+"""
 
 
 def _append(path: Path) -> BinaryIO:

@@ -143,6 +143,8 @@ class Ledger:
         self.accounting.reserved(reservation.job_id, borrower, resources, reservation.started_at)
         self._reserved_total += 1
         self._shared_total += share is not None
+        # Whoever keeps something while borrowed work runs (the sleep delay lock) is told.
+        self._state.notify()
         return reservation
 
     def busy_refusal(
@@ -477,6 +479,15 @@ class Ledger:
             r.charged_mib.get(resource, 0)
             for r in self._jobs.get(resource, [])
             if r.started_at >= reading_taken_at
+        )
+
+    def has_running_work(self) -> bool:
+        """Whether any borrowed job runs now (being relayed, or tracked on the upstream);
+        held jobs do not count: nothing of theirs runs that vacancyd knows of."""
+        return any(
+            r.phase is Phase.FORWARDING or r.phase is Phase.TRACKING
+            for jobs in self._jobs.values()
+            for r in jobs
         )
 
     def holder(self, resource: str) -> Reservation | None:

@@ -305,9 +305,10 @@ def create_api_app(
         asked = lending_request(await admin_payload())
         if isinstance(asked, str):
             return _error(400, "invalid_body", asked)
-        enabled, for_s = asked
-        not_saved = controls.set_lending(enabled, for_s)
+        enabled, for_s, now = asked
+        not_saved = controls.set_lending(enabled, for_s, now=now)
         snooze = f" for {for_s:g}s" if for_s is not None else ""
+        snooze += ", taking the machine back now" if now else ""
         app.logger.info(
             "lending %s through the admin API", "resumed" if enabled else f"paused{snooze}"
         )

@@ -93,11 +93,19 @@ class VacancydCollector(Collector):
                 [((), now - reading.taken_at)],
             )
         yield _gauge("vacancyd_owner_veto", "Owner veto engaged", [((), view.veto_engaged)])
+        power = self._state.power
+        if power is not None and power.on_battery is not None:
+            yield _gauge(
+                "vacancyd_on_battery",
+                "1 while the machine runs on its battery (UPower); absent where not read",
+                [((), power.on_battery)],
+            )
 
     def _resources(self, now: float) -> Iterator[Metric]:
         state = self._state
         switch, quality, age, free, total, util, lendable, spare, busy = ([] for _ in range(9))
         pressure_quality, pressure_engaged = [], []
+        temperature, heat_engaged = [], []
         for name, config in state.resources.items():
             view = state.resource_view(name, now)
             observation = state.observation(name)
@@ -121,6 +129,10 @@ class VacancydCollector(Collector):
                 for pq in PressureQuality:
                     pressure_quality.append(((name, pq.value), view.pressure.quality is pq))
                 pressure_engaged.append(((name,), view.pressure.engaged))
+            if view.heat is not None:
+                heat_engaged.append(((name,), view.heat.engaged))
+                if view.heat.temperature_c is not None and view.heat.quality is Quality.READY:
+                    temperature.append(((name,), view.heat.temperature_c))
         labels = ["resource"]
         yield _gauge("vacancyd_resource_enabled", "Runtime switch per resource", switch, labels)
         yield _gauge(
@@ -154,6 +166,13 @@ class VacancydCollector(Collector):
         yield _gauge(
             "vacancyd_pressure_engaged", "Owner load guard engaged", pressure_engaged, labels
         )
+        yield _gauge(
+            "vacancyd_resource_temperature_celsius",
+            "GPU core temperature, where a heat guard reads it",
+            temperature,
+            labels,
+        )
+        yield _gauge("vacancyd_heat_engaged", "GPU heat guard engaged", heat_engaged, labels)
 
     def _upstreams(self) -> Iterator[Metric]:
         admissions = CounterMetricFamily(

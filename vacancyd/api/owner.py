@@ -17,7 +17,8 @@ from vacancyd.state import SharedState
 
 LENDING_BODY = (
     'expected a JSON body {"enabled": true|false}, or {"enabled": false, "for_s": seconds} '
-    f"to pause for a while (more than 0, at most {MAX_SNOOZE_S:g})"
+    f"to pause for a while (more than 0, at most {MAX_SNOOZE_S:g}); a pause may add "
+    '"now": true to take the machine back at once'
 )
 
 
@@ -60,8 +61,8 @@ def lending_hours_status(state: SharedState, now: float) -> dict[str, Any]:
     }
 
 
-def lending_request(payload: Any) -> tuple[bool, float | None] | str:
-    """(enabled, for_s) from an admin body, or what is wrong with it.
+def lending_request(payload: Any) -> tuple[bool, float | None, bool] | str:
+    """(enabled, for_s, now) from an admin body, or what is wrong with it.
 
     `payload` is the parsed JSON body, or None when the body was not one JSON document;
     a request sent as anything but application/json, or from another site's page, never
@@ -70,11 +71,14 @@ def lending_request(payload: Any) -> tuple[bool, float | None] | str:
     if not isinstance(payload, dict) or type(payload.get("enabled")) is not bool:
         return LENDING_BODY
     enabled: bool = payload["enabled"]
-    if set(payload) - {"enabled", "for_s"}:
+    if set(payload) - {"enabled", "for_s", "now"}:
+        return LENDING_BODY
+    now = payload.get("now", False)
+    if type(now) is not bool or (now and enabled):
         return LENDING_BODY
     if "for_s" not in payload or payload["for_s"] is None:
-        return enabled, None
+        return enabled, None, now
     seconds = payload["for_s"]
     if enabled or type(seconds) not in (int, float) or not 0 < seconds <= MAX_SNOOZE_S:
         return LENDING_BODY
-    return enabled, float(seconds)
+    return enabled, float(seconds), now

@@ -20,7 +20,16 @@ from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.gate import owner_refusal, resource_refusal
-from vacancyd.model import OwnerScope, Quality, Refuse, Residency, ResourceKind
+from vacancyd.model import (
+    HeatView,
+    OwnerScope,
+    PresenceReading,
+    Quality,
+    Reason,
+    Refuse,
+    Residency,
+    ResourceKind,
+)
 from vacancyd.persist import StateFileProblem
 from vacancyd.published import Published
 from vacancyd.reclaim import ReclaimRecord, UpstreamReclaim
@@ -80,6 +89,8 @@ def status_document(
         "lending": lending_status(state, now),
         "lending_hours": lending_hours_status(state, now),
         "presence": _presence(state, published, now),
+        "power": _power(state, now),
+        "sleep": dict(published.sleep()),
         "owner_veto": {
             "engaged": state.veto.engaged,
             "reason": state.veto.reason,
@@ -203,11 +214,46 @@ def _presence(state: SharedState, published: Published, now: float) -> dict[str,
         "scope": published.presence.scope_note,
         "session": reading.session.value if reading else None,
         "owner_programs": list(reading.owner_programs) if reading else [],
+        "idle_inhibitors": list(reading.idle_inhibitors) if reading else [],
+        # Which signal decided: the session agent's (named with its source), or logind's.
+        "decided_by": decided_by(reading),
+        "agents": dict(published.agents(now)) if published.agents is not None else None,
         "quality": quality,
         "age_s": _round(now - reading.taken_at) if reading else None,
         "detail": view.detail,
         "refuses": refusal.reason.value if refusal else None,
         "refusal_detail": refusal.for_operator if refusal else None,
+    }
+
+
+def decided_by(reading: PresenceReading | None) -> str | None:
+    """The signal that decided presence, with its source. An inhibitor or an owner
+    program keeps the owner present whatever the session shows, so it is named first."""
+    if reading is None:
+        return None
+    if reading.idle_inhibitors:
+        return "logind: idle inhibitor held: " + "; ".join(reading.idle_inhibitors)
+    if reading.owner_programs:
+        return "owner program running: " + ", ".join(reading.owner_programs)
+    if reading.agent_signal:
+        return f"agent: {reading.agent_signal}"
+    detail = reading.detail
+    if not detail or detail.startswith(f"{reading.backend}:"):
+        return detail or reading.backend
+    return f"{reading.backend}: {detail}"
+
+
+def _power(state: SharedState, now: float) -> dict[str, Any]:
+    """/status `power`: whether the machine runs on its battery, where that is read."""
+    reading = state.power
+    refuses = state.on_battery_refused()
+    return {
+        "read": reading is not None and reading.on_battery is not None,
+        "on_battery": reading.on_battery if reading else None,
+        "lend_on_battery": state.config.owner.lend_on_battery,
+        "age_s": _round(now - reading.taken_at) if reading else None,
+        "detail": reading.detail if reading else "not read (not Linux, or not read yet)",
+        "refuses": Reason.ON_BATTERY.value if refuses else None,
     }
 
 
@@ -227,6 +273,7 @@ def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict
         "lendable": view.lendable if view.quality is Quality.READY else None,
         "spare_mib": view.spare_mib,
         "pressure": _plain.unstructure(view.pressure) if view.pressure else None,
+        "heat": _heat(config.max_temperature_c, view.heat, now),
         "reserved_by": holder.job_id if holder else None,
         "awaiting_sample": ledger.awaits_sample(name),
         "refuses": refusal.reason.value if refusal else None,
@@ -238,6 +285,22 @@ def _resource(state: SharedState, ledger: Ledger, name: str, now: float) -> dict
             document["free_bytes"] = observation.free_bytes
         document["utilization_pct"] = _round(observation.utilization_pct)
     return document
+
+
+def _heat(limit: float | None, heat: HeatView | None, now: float) -> dict[str, Any] | None:
+    """A GPU's heat guard; null where the resource has no `max_temperature_c`."""
+    if heat is None:
+        return None
+    reasons = heat.throttle_reasons
+    return {
+        "quality": heat.quality.value,
+        "temperature_c": heat.temperature_c,
+        "max_temperature_c": limit,
+        "throttle_reasons": list(reasons) if reasons is not None else None,
+        "engaged": heat.engaged,
+        "engaged_for_s": _round(now - heat.engaged_at) if heat.engaged_at is not None else None,
+        "detail": heat.detail,
+    }
 
 
 def _reservation(reservation: Reservation, now: float) -> dict[str, Any]:

@@ -312,6 +312,22 @@ def _resource_problems(resource: ResourceConfig, where: str) -> Iterator[str]:
     threshold = pressure.threshold_pct if pressure is not None else None
     if pressure is not None and threshold is not None and threshold > pressure.cap_pct:
         yield f"{where}.pressure.threshold_pct: must not exceed cap_pct ({pressure.cap_pct:g})"
+    yield from _heat_problems(resource, where)
+
+
+def _heat_problems(resource: ResourceConfig, where: str) -> Iterator[str]:
+    """A heat guard needs a GPU and a limit; its release point must stay above 0 °C."""
+    limit = resource.max_temperature_c
+    if limit is not None and resource.kind is not ResourceKind.NVIDIA_GPU:
+        yield f"{where}.max_temperature_c: only an nvidia_gpu reports a temperature"
+    if resource.heat is None:
+        return
+    if resource.kind is not ResourceKind.NVIDIA_GPU:
+        yield f"{where}.heat: the heat guard is for nvidia_gpu resources only"
+    elif limit is None:
+        yield f"{where}.heat: has no effect without max_temperature_c"
+    elif resource.heat.release_margin_c >= limit:
+        yield f"{where}.heat.release_margin_c: must be less than max_temperature_c ({limit:g})"
 
 
 def _upstream_problems(
@@ -415,9 +431,17 @@ def _has_scope(config: Config, *scopes: Scope) -> bool:
 
 
 def resolve_state_dir(config: Config) -> Path:
-    """The configured state directory, or the platform default when it is left empty."""
+    """The configured state directory, or the platform default when it is left empty.
+
+    Under systemd the default is the unit's StateDirectory= (systemd passes it as
+    $STATE_DIRECTORY, colon-separated when there are several): the service user's home
+    may not exist, and that directory is the one it is allowed to write.
+    """
     if config.server.state_dir:
         return Path(config.server.state_dir).expanduser()
+    given = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if given and Path(given).is_absolute():
+        return Path(given)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         return Path("/var/lib/vacancyd")
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

@@ -151,6 +151,15 @@ class OwnerConfig:
     release_after_s: float = attrs.field(default=60.0, metadata=_ge(0))
     lend_when_locked: bool = True
     lend_when_idle: bool = True
+    # Lend while the machine runs on its battery (UPower's OnBattery); off: a laptop
+    # unplugged refuses host-scoped work `on_battery` and reclaims what runs.
+    lend_on_battery: bool = False
+    # With a session agent reporting: the owner counts as present while their last input
+    # is more recent than this (an agent's idle reading; logind's IdleHint is not used).
+    idle_after_s: float = attrs.field(default=300.0, metadata=_gt(0))
+    # The socket session agents report on; empty: agent.sock in the runtime directory
+    # ($RUNTIME_DIRECTORY, /run/vacancyd under the unit), and no agents without one.
+    agent_socket: str = ""
     owner_processes: list[str] = attrs.Factory(list)
     # Weekly windows outside which host-scoped upstreams refuse; empty: lend at any hour.
     lending_hours: list[LendingWindow] = attrs.Factory(list)
@@ -171,6 +180,20 @@ class PressureConfig:
 
 
 @attrs.frozen
+class HeatConfig:
+    """The heat guard's release rule on a GPU with `max_temperature_c` (see vacancyd/heat.py).
+
+    It engages on the first reading over the limit or with a thermal or power-brake
+    slowdown; it releases only after readings at or below the limit minus
+    `release_margin_c`, with no such slowdown, for `release_after_s`. The margin keeps a
+    card that hovers at its limit from being lent and taken back every few seconds.
+    """
+
+    release_margin_c: float = attrs.field(default=5.0, metadata=_ge(0))
+    release_after_s: float = attrs.field(default=60.0, metadata=_ge(0))
+
+
+@attrs.frozen
 class ResourceConfig:
     name: str
     kind: ResourceKind
@@ -182,6 +205,11 @@ class ResourceConfig:
     # ... and the utilisation above which the resource is not lent (cpu, nvidia_gpu).
     max_utilization_pct: float | None = attrs.field(default=None, metadata=_gt(0))
     pressure: PressureConfig | None = None
+    # nvidia_gpu only: not lent while hotter than this, in degrees Celsius, or while the
+    # driver slows it down for heat or power; unset: no heat guard, nothing read.
+    max_temperature_c: float | None = attrs.field(default=None, metadata=_gt(0))
+    # The heat guard's release rule; only with max_temperature_c.
+    heat: HeatConfig | None = None
     # An emergency floor no borrowed load may eat into, on top of keep_free_mib (memory,
     # nvidia_gpu): this share of the total, but at least emergency_reserve_min_mib.
     emergency_reserve_pct: float = attrs.field(default=10.0, metadata=_ge(0))

@@ -19,6 +19,7 @@ import trio
 
 from vacancyd.config import OwnerConfig, PresenceBackend
 from vacancyd.model import PresenceReading, SessionState
+from vacancyd.presence.agents import AgentHub
 from vacancyd.presence.logind import LogindBackend
 
 
@@ -100,7 +101,9 @@ class UnavailableBackend:
         )
 
 
-def choose_backend(owner: OwnerConfig, platform: str = sys.platform) -> Backend:
+def choose_backend(
+    owner: OwnerConfig, platform: str = sys.platform, agents: AgentHub | None = None
+) -> Backend:
     """The backend `owner.presence` asks for on this platform.
 
     "auto" means logind on Linux and no backend elsewhere (macOS and Windows gate on
@@ -112,7 +115,7 @@ def choose_backend(owner: OwnerConfig, platform: str = sys.platform) -> Backend:
     if configured is PresenceBackend.HEADLESS:
         return HeadlessBackend()
     if platform.startswith("linux"):
-        return LogindBackend(owner.owner_processes)
+        return LogindBackend(owner.owner_processes, agents=agents, idle_after_s=owner.idle_after_s)
     if configured is PresenceBackend.AUTO:
         return NoBackend(platform)
     return UnavailableBackend(

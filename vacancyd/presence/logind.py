@@ -30,13 +30,22 @@ How the sessions become one state for the machine (`summarize`):
   whatever else it says.
 * The machine takes the state of the counting session nearest to a present owner:
   ACTIVE, then IDLE, then LOCKED. With no counting session it is LOGGED_OUT.
+
+logind's inhibitors are read on every read too (ListInhibitors). An `idle` inhibitor in
+`block` or `block-weak` mode, taken by a uid that owns a counting graphical session in the
+foreground of its seat, is the owner's explicit "keep my machine" switch (`systemd-inhibit
+--what=idle ...`, or an application that asks logind itself): it makes the owner present
+whatever the session says, locked or idle included. An inhibitor of any other uid (a
+service, another user over SSH) says nothing about the owner. logind announces every
+inhibitor that starts or stops as a change of its Manager's BlockInhibited or
+DelayInhibited property, which wakes the loop like a session change.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -46,6 +55,8 @@ from jeepney.io.trio import DBusRouter, open_dbus_connection
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
 from vacancyd.model import PresenceReading, SessionState
+from vacancyd.presence.agent_policy import AgentVerdict, judge
+from vacancyd.presence.agents import AgentHub
 from vacancyd.presence.owner_processes import OwnerScanTimeout, scan_owner_programs
 from vacancyd.probe import CallLane
 
@@ -112,6 +123,12 @@ class SessionInfo:
             return None
         return f"type {self.type or 'unspecified'}" + ("" if self.seat else " without a seat")
 
+    @property
+    def owner_desk(self) -> bool:
+        """A counting graphical session in the foreground of its seat: the owner's desk,
+        whose session agent (if any) reports for it."""
+        return self.why_ignored() is None and self.graphical and self.active
+
     def standing(self) -> SessionState:
         """This counting session on its own, following the rule in the module docstring."""
         if self.locked:
@@ -119,6 +136,46 @@ class SessionInfo:
         if self.active and not self.idle:
             return SessionState.ACTIVE
         return SessionState.IDLE
+
+
+@attrs.frozen
+class Inhibitor:
+    """One row of logind's ListInhibitors: what is inhibited, by whom, why, how."""
+
+    what: str  # colon-separated: "sleep:idle:handle-lid-switch"
+    who: str
+    why: str
+    mode: str  # "block", "block-weak" or "delay"
+    uid: int
+    pid: int
+
+    def describe(self) -> str:
+        return f"{self.who or 'unnamed'}: {self.why or 'no reason given'} (uid {self.uid})"
+
+
+# Modes in which an idle inhibitor keeps the machine from going idle (delay never does).
+_BLOCKING_MODES = frozenset({"block", "block-weak"})
+
+
+def owner_idle_inhibitors(
+    inhibitors: Iterable[Inhibitor], sessions: Iterable[SessionInfo]
+) -> tuple[str, ...]:
+    """The idle inhibitors that say the owner wants their machine kept: blocking `idle`
+    ones held by a uid with a counting graphical session in the foreground of its seat.
+
+    A locked or idle session still counts: taking the inhibitor is the owner's word,
+    which outlasts their leaving the keyboard.
+    """
+    owners = {s.uid for s in sessions if s.why_ignored() is None and s.graphical and s.active}
+    return tuple(
+        sorted(
+            inhibitor.describe()
+            for inhibitor in inhibitors
+            if "idle" in inhibitor.what.split(":")
+            and inhibitor.mode in _BLOCKING_MODES
+            and inhibitor.uid in owners
+        )
+    )
 
 
 @attrs.frozen
@@ -130,14 +187,22 @@ class SessionSummary:
     # uids at an unlocked graphical session in the foreground of its seat: the desktop the
     # owner-process list is matched against. Empty while no such session exists.
     desktop_uids: tuple[int, ...] = ()
+    # The session agent's deciding signal, where an agent judged the machine's state.
+    agent_signal: str = ""
 
 
-def summarize(sessions: Iterable[SessionInfo], now_us: int | None = None) -> SessionSummary:
+def summarize(
+    sessions: Iterable[SessionInfo],
+    now_us: int | None = None,
+    verdicts: Mapping[str, AgentVerdict] | None = None,
+) -> SessionSummary:
     """Decide one SessionState for the machine (the rule is in the module docstring).
 
     `now_us` is CLOCK_MONOTONIC in microseconds, used only to say for how long a session
-    has been idle; the decision never depends on it.
+    has been idle; the decision never depends on it. `verdicts` (by session id) are the
+    session agents' judgements, which stand in for logind's own standing of their desk.
     """
+    verdicts = verdicts or {}
     counting: list[SessionInfo] = []
     ignored: list[str] = []
     for session in sessions:
@@ -149,9 +214,18 @@ def summarize(sessions: Iterable[SessionInfo], now_us: int | None = None) -> Ses
     ignored_note = f" (not counted: {', '.join(ignored)})" if ignored else ""
     if not counting:
         return SessionSummary(SessionState.LOGGED_OUT, f"no local user session{ignored_note}")
-    best = max(counting, key=lambda s: _RANK[s.standing()])
-    state = best.standing()
+
+    def standing(session: SessionInfo) -> SessionState:
+        verdict = verdicts.get(session.id)
+        return verdict.state if verdict is not None else session.standing()
+
+    best = max(counting, key=lambda s: _RANK[standing(s)])
+    state = standing(best)
     desktop_uids = sorted({s.uid for s in counting if s.graphical and s.active and not s.locked})
+    verdict = verdicts.get(best.id)
+    if verdict is not None:
+        detail = f"session {best.id} ({best.type}, uid {best.uid}): agent: {verdict.signal}"
+        return SessionSummary(state, detail, tuple(desktop_uids), verdict.signal)
     return SessionSummary(state, _describe(best, state, now_us), tuple(desktop_uids))
 
 
@@ -201,8 +275,14 @@ class LogindBackend:
         bus: str = "SYSTEM",
         call_timeout_s: float = 1.0,
         scan_timeout_s: float = 1.0,
+        agents: AgentHub | None = None,
+        idle_after_s: float = 300.0,
     ) -> None:
         self._owner_processes = frozenset(owner_processes)
+        self.agents = agents
+        self._idle_after_s = idle_after_s
+        # The uids at an owner's desk as last read: the only ones whose agents are heard.
+        self.owner_uids: frozenset[int] = frozenset()
         self._bus = bus
         self._call_timeout_s = call_timeout_s
         self._scan_timeout_s = scan_timeout_s
@@ -229,6 +309,20 @@ class LogindBackend:
         new connection is attempted only when a read asks for one, which keeps retries to
         the poll cadence instead of a busy loop against a bus that is down.
         """
+        async with trio.open_nursery() as nursery:
+            if self.agents is not None:
+                nursery.start_soon(self._wake_on_agents, self.agents, wake)
+            await self._hold_connection(wake, task_status)
+
+    async def _wake_on_agents(self, agents: AgentHub, wake: Callable[[], None]) -> None:
+        """A report, a reporter going quiet or away: read again at once."""
+        while True:
+            await agents.wait_changed()
+            wake()
+
+    async def _hold_connection(
+        self, wake: Callable[[], None], task_status: trio.TaskStatus[None]
+    ) -> None:
         started = False
 
         def report_started() -> None:
@@ -297,9 +391,12 @@ class LogindBackend:
             return self._unreadable(taken_at, self._problem or "not connected to the system bus")
         try:
             sessions = await self._read_sessions(router)
+            inhibitors = await self._read_inhibitors(router)
         except LogindUnreadable as exc:
             return self._unreadable(taken_at, str(exc))
-        summary = summarize(sessions, monotonic_us())
+        self.owner_uids = frozenset(s.uid for s in sessions if s.owner_desk)
+        summary = summarize(sessions, monotonic_us(), self._agent_verdicts(sessions, taken_at))
+        held = owner_idle_inhibitors(inhibitors, sessions)
         programs: tuple[str, ...] = ()
         if self._owner_processes and summary.desktop_uids:
             try:
@@ -316,6 +413,8 @@ class LogindBackend:
             log.info("presence: logind readable again")
             self._last_logged = ""
         detail = summary.detail
+        if held:
+            detail += "; idle inhibitor held: " + "; ".join(held)
         if programs:
             detail += "; owner program running: " + ", ".join(programs)
         return PresenceReading(
@@ -324,7 +423,42 @@ class LogindBackend:
             session=summary.state,
             owner_programs=programs,
             detail=detail,
+            idle_inhibitors=held,
+            agent_signal=summary.agent_signal,
         )
+
+    def _agent_verdicts(
+        self, sessions: Iterable[SessionInfo], now: float
+    ) -> dict[str, AgentVerdict]:
+        """For each owner's desk whose user has an agent that reported: its verdict."""
+        if self.agents is None:
+            return {}
+        verdicts = {}
+        for session in sessions:
+            heard = self.agents.heard.get(session.uid)
+            if heard is not None and session.owner_desk:
+                verdicts[session.id] = judge(heard, now, self._idle_after_s, session.locked)
+        return verdicts
+
+    async def _read_inhibitors(self, router: DBusRouter) -> list[Inhibitor]:
+        """ListInhibitors (unprivileged: no polkit); raises LogindUnreadable on any doubt,
+        since an inhibitor vacancyd cannot see could be the owner's."""
+        try:
+            (rows,) = await self._call(router, new_method_call(MANAGER, "ListInhibitors"))
+            return [
+                Inhibitor(str(what), str(who), str(why), str(mode), int(uid), int(pid))
+                for what, who, why, mode, uid, pid in rows
+            ]
+        except trio.TooSlowError:
+            raise LogindUnreadable(
+                f"logind did not list its inhibitors within {self._call_timeout_s:g}s"
+            ) from None
+        except DBusErrorResponse as exc:
+            raise LogindUnreadable(f"logind's inhibitors: {_explain(exc)}") from None
+        except Exception as exc:
+            raise LogindUnreadable(
+                f"logind's inhibitors could not be read: {_explain(exc)}"
+            ) from exc
 
     async def _read_sessions(self, router: DBusRouter) -> list[SessionInfo]:
         """ListSessions, then GetAll for each; raises LogindUnreadable on any doubt."""
@@ -398,6 +532,14 @@ def _signal_rules() -> list[tuple[Any, Any]]:
         "path_namespace": SESSION_PATHS,
     }
     pairs.append((MatchRule(sender=LOGIND_NAME, **changed), MatchRule(**changed)))
+    # An inhibitor starting or stopping changes the Manager's BlockInhibited/DelayInhibited.
+    manager_changed = {
+        "type": "signal",
+        "interface": "org.freedesktop.DBus.Properties",
+        "member": "PropertiesChanged",
+        "path": MANAGER.object_path,
+    }
+    pairs.append((MatchRule(sender=LOGIND_NAME, **manager_changed), MatchRule(**manager_changed)))
     # logind leaving or (re)joining the bus: read at once instead of on the next poll.
     owner = MatchRule(
         type="signal",

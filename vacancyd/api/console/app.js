@@ -96,13 +96,15 @@ async function act(what, path, body) {
   refresh();
 }
 
+// The owner's pause gives the machine back at once: running borrowed work is reclaimed.
 $("pause").addEventListener("click", () =>
-  act("Pausing", "/admin/lending", {enabled: false}));
+  act("Pausing", "/admin/lending", {enabled: false, now: true}));
 $("resume").addEventListener("click", () =>
   act("Resuming", "/admin/lending", {enabled: true}));
 for (const button of document.querySelectorAll("#snooze button[data-for-s]")) {
   button.addEventListener("click", () =>
-    act("Pausing", "/admin/lending", {enabled: false, for_s: Number(button.dataset.forS)}));
+    act("Pausing", "/admin/lending",
+        {enabled: false, for_s: Number(button.dataset.forS), now: true}));
 }
 
 // -- refresh -------------------------------------------------------------------------------
@@ -248,8 +250,11 @@ function renderRefusals(s, vacancy) {
     list.append(item);
   }
   const p = s.presence;
+  // Features added to /status later (decided_by, power) are shown when present.
   $("presence").textContent = "Owner presence: " + p.backend + " · " +
     (p.session || "no reading yet") + " · " + p.quality +
+    (p.decided_by ? " · decided by " + p.decided_by : "") +
+    (s.power && s.power.read && s.power.on_battery ? " · on battery" : "") +
     (p.refuses ? " · refuses " + p.refuses + ": " + p.refusal_detail : "") +
     (s.owner_veto && s.owner_veto.engaged ? " · owner veto: " + s.owner_veto.reason : "");
 }

@@ -22,14 +22,16 @@ Probes only read counters; nothing here allocates on the GPU.
 
 Modules: naming.py (pure: how a GPU is named), resolution.py (pure: which device a
 configured GPU is), binding.py (the only importer of pynvml), broker.py (the one holder
-of NVML: sessions, per-GPU call lanes, resolution; lent to every loop that reads a GPU)
-and collector.py (the capacity loop, which creates the broker and lends it on).
+of NVML: sessions, per-GPU call lanes, resolution; lent to every loop that reads a GPU),
+collector.py (the capacity loop, which creates the broker and lends it on) and heat.py
+(the heat guards the capacity loop feeds, for GPUs with a `max_temperature_c`).
 """
 
 from vacancyd.collect.nvml.binding import (
     DeviceHandle,
     GpuProcess,
     GpuReading,
+    HeatReading,
     LibrarySession,
     NvmlLibrary,
     OpenedDevice,
@@ -53,6 +55,7 @@ __all__ = [
     "GpuReading",
     "GpuStatistics",
     "GpuUnavailable",
+    "HeatReading",
     "LibrarySession",
     "NvmlBroker",
     "NvmlCollector",

@@ -42,6 +42,36 @@ _NO_MEMORY_V2 = frozenset(
         pynvml.NVML_ERROR_NOT_SUPPORTED,
     )
 )
+# Codes meaning "this driver or GPU does not report clock event reasons at all".
+_NO_CLOCK_EVENTS = frozenset(
+    int(code) for code in (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED)
+)
+
+
+# The driver's clock event ("throttle") reasons, bit by bit, as /status shows them. The
+# bits are the same under the old Throttle and the new Event names.
+_CLOCK_EVENT_WORDS = (
+    (pynvml.nvmlClocksThrottleReasonGpuIdle, "gpu_idle"),
+    (pynvml.nvmlClocksThrottleReasonApplicationsClocksSetting, "applications_clocks_setting"),
+    (pynvml.nvmlClocksThrottleReasonSwPowerCap, "sw_power_cap"),
+    (pynvml.nvmlClocksThrottleReasonHwSlowdown, "hw_slowdown"),
+    (pynvml.nvmlClocksThrottleReasonSyncBoost, "sync_boost"),
+    (pynvml.nvmlClocksThrottleReasonSwThermalSlowdown, "sw_thermal_slowdown"),
+    (pynvml.nvmlClocksThrottleReasonHwThermalSlowdown, "hw_thermal_slowdown"),
+    (pynvml.nvmlClocksThrottleReasonHwPowerBrakeSlowdown, "hw_power_brake_slowdown"),
+    (pynvml.nvmlClocksThrottleReasonDisplayClockSetting, "display_clock_setting"),
+)
+# The bits are distinct, so their sum is their union.
+_KNOWN_CLOCK_EVENTS = sum(int(bit) for bit, _ in _CLOCK_EVENT_WORDS)
+
+
+def clock_event_words(mask: int) -> tuple[str, ...]:
+    """The reasons set in `mask`, as words; bits this list does not know read as hex."""
+    words = [word for bit, word in _CLOCK_EVENT_WORDS if mask & bit]
+    unknown = mask & ~_KNOWN_CLOCK_EVENTS
+    if unknown:
+        words.append(f"0x{unknown:x}")
+    return tuple(words)
 
 
 def error_code(exc: BaseException) -> int | None:
@@ -75,6 +105,15 @@ class GpuReading:
     reserved_bytes: int | None
     # None where the GPU does not report utilisation (NVML answers "not supported").
     utilization_pct: float | None
+
+
+@attrs.frozen
+class HeatReading:
+    """The GPU's temperature and why its clocks are held back, for the heat guard."""
+
+    temperature_c: int
+    # Clock event reasons as words (clock_event_words); None where the driver has none.
+    throttle_reasons: tuple[str, ...] | None
 
 
 @attrs.frozen
@@ -112,6 +151,8 @@ class NvmlLibrary:
     def __init__(self) -> None:
         # Memory v2 separates the driver's reservation; pynvml releases before it lack it.
         self._memory_v2 = hasattr(pynvml, "nvmlMemory_v2")
+        # Drivers before 535 have only the older name of the clock event reasons call.
+        self._event_reasons = True
 
     def start(self) -> LibrarySession:
         """Initialise NVML (reference counted) and read what enumeration found.
@@ -167,6 +208,32 @@ class NvmlLibrary:
             reserved_bytes=reserved,
             utilization_pct=utilization,
         )
+
+    def heat(self, handle: DeviceHandle) -> HeatReading:
+        """The GPU's core temperature and its clock event reasons: the heat sample.
+
+        A GPU that does not report its temperature raises NVMLError_NotSupported, which
+        the caller must treat as no reading. One that reports the temperature but not
+        its reasons is read on the temperature alone (`throttle_reasons` None).
+        """
+        temperature = int(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+        try:
+            reasons: tuple[str, ...] | None = clock_event_words(self._clock_events(handle))
+        except pynvml.NVMLError as exc:
+            if error_code(exc) not in _NO_CLOCK_EVENTS:
+                raise
+            reasons = None
+        return HeatReading(temperature_c=temperature, throttle_reasons=reasons)
+
+    def _clock_events(self, handle: DeviceHandle) -> int:
+        if self._event_reasons:
+            try:
+                return int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+            except pynvml.NVMLError as exc:
+                if error_code(exc) != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    raise
+                self._event_reasons = False
+        return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
 
     def compute_processes(self, handle: DeviceHandle) -> tuple[GpuProcess, ...]:
         return _processes(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))

@@ -1,4 +1,5 @@
-"""The capacity loop: sample every configured GPU's memory and utilisation into shared state.
+"""The capacity loop: sample every configured GPU's memory and utilisation into shared state,
+and, where a GPU has a `max_temperature_c`, its temperature for the heat watch (heat.py).
 
 It borrows all GPU access from the broker (broker.py), which it creates and lends on to
 the pressure collector (`call_device`, `process_utilization`, `processes`), so both loops
@@ -27,6 +28,7 @@ from vacancyd.collect.nvml.binding import (
     RunningProcesses,
 )
 from vacancyd.collect.nvml.broker import BrokeredGpu, NvmlBroker, NvmlStatistics
+from vacancyd.collect.nvml.heat import HeatWatch, sample_gpu
 from vacancyd.config import ResourceConfig
 from vacancyd.liveness import Heartbeat
 from vacancyd.model import Observation
@@ -54,6 +56,7 @@ class NvmlCollector:
         self._deadline_s = deadline_s
         self._heartbeat = heartbeat
         self._broker = NvmlBroker(state, gpus, deadline_s=deadline_s, library=library)
+        self._heat = HeatWatch(state, gpus)
 
     @property
     def broker(self) -> NvmlBroker:
@@ -124,19 +127,25 @@ class NvmlCollector:
         try:
             while True:
                 gpu.asked_again_at = None
+                heat = self._heat.watches(gpu.name)
                 try:
-                    reading = await lane.call(
-                        partial(broker.library.read, opened.handle), self._deadline_s
+                    reading, heat_reading = await lane.call(
+                        partial(sample_gpu, broker.library, heat, opened.handle),
+                        self._deadline_s,
                     )
                 except ProbeTimeout:
                     why = f"NVML did not answer within {self._deadline_s:g}s for {gpu.label}"
                     broker.fail(gpu, why)
+                    self._heat.observe(gpu.name, why, asked_at)
                     return  # the call is stuck; later polls report it, none are stacked
                 except pynvml.NVMLError as exc:
                     broker.nvml_error(gpu, opened, exc)
+                    self._heat.observe(gpu.name, gpu.problem, asked_at)
                 else:
                     if gpu.opened is opened and broker.session is not None:
                         self._record(gpu, opened, reading, asked_at)
+                        if heat_reading is not None:
+                            self._heat.observe(gpu.name, heat_reading, asked_at)
                 again = gpu.asked_again_at
                 if again is None or gpu.opened is not opened:
                     return

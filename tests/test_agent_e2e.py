@@ -1,0 +1,236 @@
+"""The whole loop: desktop services, the real `vacancyd agent`, the daemon, a borrower.
+
+Both sides of issue 18's agent meet here, each as it really runs: the agent as its own
+process (`python -m vacancyd agent`) on a private session bus served by python-dbusmock
+templates of Mutter's IdleMonitor, gnome-session and an MPRIS player
+(tests/support/desktop.py); the daemon in this process with logind presence on a private
+system bus (the mock logind), where root, this test's uid and so the agent's, is logged in
+at a Wayland desk. What the owner does on the desktop must reach a borrower as a refusal,
+and running borrowed work must be given back:
+
+* walking away without locking (no input for 400 s, the KDE case): lent;
+* a film starting (MPRIS `Playing`) or an application inhibiting idle: refused
+  `owner_active` naming the signal, and a running stream cut with that reason;
+* the agent killed: present (fail closed) at once, as its connection closes;
+* `vacancyd agent pause --for ...` from the session: paused, kept across a daemon restart,
+  and over by itself at the end.
+
+Real clock, bounded polls of /status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.desktop import SessionBusFixture, log_file, session_bus
+from tests.support.logind import MockLogind, mock_logind
+from tests.support.upstreams import EchoUpstream
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+MUTTER_PATH = "/org/gnome/Mutter/IdleMonitor/Core"
+WORK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+STREAM = {"model": "m", "stream": True, "echo_stream": {"events": 3}}
+
+CONFIG = """
+[server]
+api_listen = "127.0.0.1:0"
+state_dir = "{state_dir}"
+[owner]
+presence = "logind"
+release_after_s = 0
+idle_after_s = 300
+agent_socket = "{socket}"
+[[resource]]
+name = "ram"
+kind = "memory"
+emergency_reserve_pct = 0.0
+emergency_reserve_min_mib = 0
+[[resource]]
+name = "ram2"
+kind = "memory"
+emergency_reserve_pct = 0.0
+emergency_reserve_min_mib = 0
+[[upstream]]
+name = "chat"
+adapter = "llamacpp"
+listen = "127.0.0.1:0"
+target = "{target}"
+resource = "ram"
+default_need_mib = {{ ram = 64 }}
+[[upstream]]
+name = "stream"
+adapter = "llamacpp"
+listen = "127.0.0.1:0"
+target = "{target}"
+resource = "ram2"
+on_owner_return = "cancel"
+default_need_mib = {{ ram2 = 64 }}
+"""
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="vacancyd-agent-e2e-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def system_bus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MockLogind]:
+    async with mock_logind(tmp_path / "system") as mock:
+        monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", mock.address)
+        await mock.add_session("2", uid=os.geteuid(), user="root")
+        yield mock
+
+
+@asynccontextmanager
+async def agent_process(
+    desktop: SessionBusFixture, socket_path: Path, log: Path
+) -> AsyncIterator[trio.Process]:
+    """`vacancyd agent` in the desktop's session, reporting to `socket_path`."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DISPLAY", "WAYLAND_DISPLAY", "DBUS_SYSTEM_BUS_ADDRESS")
+    }
+    env |= {"DBUS_SESSION_BUS_ADDRESS": desktop.address, "XDG_SESSION_ID": "2"}
+    with log_file(log) as stderr:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "vacancyd", "agent", "--socket", str(socket_path),
+             "--heartbeat", "0.3"],
+            env=env, stderr=stderr, stdout=subprocess.DEVNULL, cwd=REPO,
+        )  # fmt: skip
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def presence_until(
+    client: httpx.AsyncClient, daemon: InProcessDaemon, check: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    for _ in range(300):  # 15 s
+        seen: dict[str, Any] = (await client.get(f"{daemon.api}/status")).json()["presence"]
+        if check(seen):
+            return seen
+        await trio.sleep(0.05)
+    raise AssertionError(f"presence never got there: {seen}")
+
+
+def decided(words: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda seen: words in (seen.get("decided_by") or "")
+
+
+async def test_what_the_owner_does_on_the_desktop_reaches_the_borrower(
+    system_bus: MockLogind,
+    echo: EchoUpstream,
+    tmp_path: Path,
+    run_dir: Path,
+) -> None:
+    socket_path = run_dir / "agent.sock"
+    config = CONFIG.format(state_dir=tmp_path / "state", socket=socket_path, target=echo.url)
+    async with (
+        session_bus(tmp_path / "session") as desktop,
+        in_process_daemon(config) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=30) as client,
+    ):
+        await desktop.start("mutter_idle_monitor")
+        await desktop.start("gnome_session")
+        player = await desktop.start_player("vlc")
+        await desktop.set_idle("org.gnome.Mutter.IdleMonitor", MUTTER_PATH, 400_000)
+        async with agent_process(desktop, socket_path, tmp_path / "agent.log"):
+            chat, stream = daemon.proxy("chat"), daemon.proxy("stream")
+            # Away from an unlocked desk for 400 s: lent.
+            seen = await presence_until(client, daemon, decided("no input for 400s (mutter)"))
+            assert seen["session"] == "idle"
+            assert (await client.post(f"{chat}/v1/chat/completions", json=WORK)).status_code == 200
+
+            # A film starts while a borrowed stream runs: refused, and the stream is cut.
+            received = b""
+            async with client.stream(
+                "POST", f"{stream}/v1/chat/completions", json=STREAM
+            ) as answer:
+                assert answer.status_code == 200
+                chunks = answer.aiter_raw()
+                received += await chunks.__anext__()
+                await desktop.player(player, "Play")
+                with pytest.raises(httpx.RemoteProtocolError):
+                    async for chunk in chunks:
+                        received += chunk
+            frame = json.loads(received.strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+            assert frame["error"]["code"] == "owner_active"
+            seen = await presence_until(client, daemon, decided("media playing: vlc (mpris)"))
+            refused = await client.post(f"{chat}/v1/chat/completions", json=WORK)
+            assert refused.headers["x-vacancyd-reason"] == "owner_active"
+
+            # The film ends: lent again. A game inhibits idle: refused again.
+            await desktop.player(player, "Pause")
+            await presence_until(client, daemon, decided("no input"))
+            cookie = await desktop.gnome_inhibit("steam", "Playing a game")
+            await presence_until(client, daemon, decided("idle inhibited: steam"))
+            await desktop.gnome_uninhibit(cookie)
+            await presence_until(client, daemon, decided("no input"))
+        # The agent is gone (killed on the way out): present at once.
+        gone = await presence_until(client, daemon, decided("disconnected"))
+        assert gone["session"] == "active"
+        echo.gate.set()
+
+
+async def cli(*args: str) -> tuple[int, str]:
+    result = await trio.run_process(
+        [sys.executable, "-m", "vacancyd", *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=REPO,
+    )
+    return result.returncode, (result.stdout + result.stderr).decode()
+
+
+async def test_a_pause_from_the_session_survives_a_restart_and_ends_by_itself(
+    system_bus: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
+) -> None:
+    socket_path = run_dir / "agent.sock"
+    config = CONFIG.format(state_dir=tmp_path / "state", socket=socket_path, target=echo.url)
+    async with (
+        in_process_daemon(config) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=30) as client,
+    ):
+        code, said = await cli("agent", "pause", "--for", "4s", "--socket", str(socket_path))
+        assert code == 0, said
+        lending = (await client.get(f"{daemon.api}/status")).json()["lending"]
+        assert lending["enabled"] is False and lending["resumes_in_s"] is not None
+    # A restart keeps the snooze, which then ends by itself.
+    async with (
+        in_process_daemon(config) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=30) as client,
+    ):
+        lending = (await client.get(f"{daemon.api}/status")).json()["lending"]
+        assert lending["enabled"] is False, lending
+        for _ in range(200):  # 10 s
+            lending = (await client.get(f"{daemon.api}/status")).json()["lending"]
+            if lending["enabled"]:
+                break
+            await trio.sleep(0.05)
+        assert lending["enabled"] is True
+        code, said = await cli("agent", "status", "--socket", str(socket_path))
+        assert code == 0 and "lending is on" in said, said
