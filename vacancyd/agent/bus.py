@@ -29,6 +29,8 @@ from jeepney.io.trio import DBusRouter, open_dbus_connection
 from jeepney.low_level import MessageFlag
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
+from vacancyd.once import started_once
+
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 0.5
@@ -101,13 +103,7 @@ class SessionBus:
         already has the connection when there is one. A broken connection wakes the agent
         (its readings change at once); a new attempt waits until a read asks for one.
         """
-        started = False
-
-        def report_started() -> None:
-            nonlocal started
-            if not started:
-                started = True
-                task_status.started()
+        report_started = started_once(task_status)
 
         while True:
             self._reconnect = trio.Event()

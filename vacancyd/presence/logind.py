@@ -55,6 +55,7 @@ from jeepney.io.trio import DBusRouter, open_dbus_connection
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
 from vacancyd.model import PresenceReading, SessionState
+from vacancyd.once import started_once
 from vacancyd.presence.agent_policy import AgentVerdict, judge
 from vacancyd.presence.agents import AgentHub
 from vacancyd.presence.owner_processes import OwnerScanTimeout, scan_owner_programs
@@ -323,13 +324,7 @@ class LogindBackend:
     async def _hold_connection(
         self, wake: Callable[[], None], task_status: trio.TaskStatus[None]
     ) -> None:
-        started = False
-
-        def report_started() -> None:
-            nonlocal started
-            if not started:
-                started = True
-                task_status.started()
+        report_started = started_once(task_status)
 
         while True:
             self._reconnect_wanted = trio.Event()

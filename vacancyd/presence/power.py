@@ -25,6 +25,7 @@ from jeepney.io.trio import open_dbus_connection
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
 from vacancyd.model import PowerReading
+from vacancyd.once import started_once
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,7 @@ class PowerWatch:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Reports started after the first attempt, read or not: lending never waits on
         power."""
-        started = False
-
-        def report_started() -> None:
-            nonlocal started
-            if not started:
-                started = True
-                task_status.started()
+        report_started = started_once(task_status)
 
         while True:
             try:

@@ -31,6 +31,7 @@ from jeepney import DBusAddress, MatchRule, Properties, message_bus, new_method_
 from jeepney.io.trio import DBusRouter, open_dbus_connection
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
+from vacancyd.once import started_once
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,7 @@ class SleepWatch:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled; reports started after the first connection attempt."""
-        started = False
-
-        def report_started() -> None:
-            nonlocal started
-            if not started:
-                started = True
-                task_status.started()
+        report_started = started_once(task_status)
 
         while True:
             try:
