@@ -36,7 +36,7 @@ import pytest
 import trio
 
 from tests.support.daemon import InProcessDaemon, in_process_daemon
-from tests.support.desktop import SessionBusFixture, log_file, session_bus
+from tests.support.desktop import SessionBusFixture, away_by, decided, log_file, session_bus
 from tests.support.logind import MockLogind, mock_logind
 from tests.support.upstreams import EchoUpstream
 
@@ -136,10 +136,6 @@ async def presence_until(
     raise AssertionError(f"presence never got there: {seen}")
 
 
-def decided(words: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda seen: words in (seen.get("decided_by") or "")
-
-
 async def test_what_the_owner_does_on_the_desktop_reaches_the_borrower(
     system_bus: MockLogind,
     echo: EchoUpstream,
@@ -160,7 +156,7 @@ async def test_what_the_owner_does_on_the_desktop_reaches_the_borrower(
         async with agent_process(desktop, socket_path, tmp_path / "agent.log"):
             chat, stream = daemon.proxy("chat"), daemon.proxy("stream")
             # Away from an unlocked desk for 400 s: lent.
-            seen = await presence_until(client, daemon, decided("no input for 400s (mutter)"))
+            seen = await presence_until(client, daemon, away_by("mutter"))
             assert seen["session"] == "idle"
             assert (await client.post(f"{chat}/v1/chat/completions", json=WORK)).status_code == 200
 

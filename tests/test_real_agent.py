@@ -46,7 +46,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.desktop import TEMPLATE_NAMES, TEMPLATES, X_TOOLS
+from tests.support.desktop import TEMPLATE_NAMES, TEMPLATES, X_TOOLS, away_by, decided
 from tests.support.logind import dbusmock_python
 from tests.support.real_systemd import REPO, HarnessError, RealSystemd, User
 
@@ -164,10 +164,6 @@ class Desk:
     def user_call(self, name: str, path: str, interface: str, member: str, *args: str) -> str:
         """A method call on the owner's session bus, as one of their applications makes it."""
         return self.as_owner(["busctl", "--user", "call", name, path, interface, member, *args])
-
-
-def decided(words: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda seen: words in (seen.get("decided_by") or "")
 
 
 def _traversable(container: RealSystemd, *paths: str) -> None:
@@ -326,7 +322,7 @@ def desk(real_systemd: RealSystemd) -> Iterator[Desk]:
 def test_the_installed_agent_reports_and_the_owner_away_from_an_unlocked_desk_lends(
     desk: Desk,
 ) -> None:
-    seen = desk.presence_until(decided("no input for 400s (mutter)"), "the agent's idle reading")
+    seen = desk.presence_until(away_by("mutter"), "the agent's idle reading")
     assert seen["session"] == "idle"
     agents = seen["agents"]
     assert agents["socket"] == "/run/vacancyd/agent.sock" and agents["listening"]

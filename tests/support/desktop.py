@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -426,3 +427,21 @@ async def _start_xvfb(directory: Path, processes: list[trio.Process]) -> str:
         log_text = (directory / "Xvfb.log").read_text(errors="replace")[-2000:]
         pytest.skip(f"Xvfb did not start: {log_text.strip() or 'no output'}")
     return f":{printed.decode().strip()}"
+
+
+# -- what /status says decided ---------------------------------------------------------------
+
+
+def decided(words: str) -> Callable[[dict[str, Any]], bool]:
+    """/status `presence` whose `decided_by` contains `words`."""
+    return lambda seen: words in (seen.get("decided_by") or "")
+
+
+def away_by(source: str) -> Callable[[dict[str, Any]], bool]:
+    """/status `presence` decided by the agent's idle reading from `source`, past 400 s: the
+    mock idle monitors' clocks run on from the 400 s the tests set, so the figure is
+    whatever it has reached by the time the report is read."""
+    pattern = re.compile(rf"agent: no input for (\d+)s \({source}\)")
+    return lambda seen: bool(
+        (found := pattern.fullmatch(seen.get("decided_by") or "")) and int(found[1]) >= 400
+    )
