@@ -15,6 +15,7 @@ ALLOWED = {
     "vacancyd.agent_protocol",  # the wire protocol, shared with the daemon
     "vacancyd.json_input",  # the strict JSON reader the protocol parses with
     "vacancyd.probe",  # blocking calls on a worker thread under a deadline (Xlib)
+    "vacancyd.once",  # reports a reconnecting watcher started once
     "vacancyd.durations",
     "vacancyd.errors",
 }
