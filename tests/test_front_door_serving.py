@@ -3,17 +3,23 @@ body is wanted, head bounds on the API listener, and a cut stream logged in one 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import h11
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from tests.support.configs import one_upstream_config
 from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream
+from vacancyd.config import LimitsConfig, parse_listen
+from vacancyd.serving import serve_app
 
 # trio-websocket-free tests, but the echo upstream's WebSocket side may be left unclosed by
 # the raw clients here when a test ends mid-tunnel.
@@ -31,17 +37,21 @@ def config(upstream: EchoUpstream, tmp_path: Path, limits: str = "") -> str:
 
 
 async def read_response(stream: trio.SocketStream, connection: h11.Connection) -> h11.Response:
-    """The next response head (skipping informational ones) and its body, read with h11."""
+    """The next response head (skipping informational ones) once its body has ended, read
+    with h11: bytes are read only when h11 needs them, so a body that came with its head
+    is not waited for again."""
+    response: h11.Response | None = None
     with trio.fail_after(5):
         while True:
             event = connection.next_event()
             if event is h11.NEED_DATA:
                 connection.receive_data(await stream.receive_some(65536))
             elif isinstance(event, h11.Response):
-                while not isinstance(connection.next_event(), h11.EndOfMessage):
-                    if connection.their_state is h11.SEND_BODY:
-                        connection.receive_data(await stream.receive_some(65536))
-                return event
+                response = event
+            elif isinstance(event, h11.EndOfMessage) and response is not None:
+                return response
+            elif isinstance(event, h11.ConnectionClosed):
+                raise AssertionError(f"the connection closed before the answer ended: {response}")
 
 
 async def open_raw(daemon: InProcessDaemon, listener: str = "echo") -> trio.SocketStream:
@@ -225,3 +235,100 @@ async def test_an_unreachable_upstream_is_not_described_to_the_borrower(tmp_path
             got = await http.get(f"{daemon.proxy('echo')}/v1/models")
     assert got.status_code == 502
     assert str(port) not in got.text and "Errno" not in got.text
+
+
+async def finishes_cancelled(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every request whole, with the last send made under a cancelled scope: the
+    app is cancelled just as it finishes, as a reclaim's cut can land on the relay."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    with trio.CancelScope() as finishing:
+        finishing.cancel()
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_an_app_cancelled_as_it_finishes_still_leaves_the_connection_serving() -> None:
+    """hypercorn recycles a kept-alive connection from inside the app's last send; the
+    cancellation used to land there and leave the connection neither recycled nor closed,
+    with the client's next request never read (found by tools/bench/owner_signals.py)."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(
+            partial(
+                serve_app,
+                finishes_cancelled,
+                parse_listen("127.0.0.1:0"),
+                LimitsConfig(),
+                grace_s=1.0,
+                shutdown_trigger=stop.wait,
+            )
+        )
+        stream = await trio.open_tcp_stream(*host_port(bound[0]))
+        async with stream:
+            client = h11.Connection(h11.CLIENT)
+            for _ in range(3):
+                request = h11.Request(method="GET", target="/", headers=[("host", "127.0.0.1")])
+                await stream.send_all(client.send(request) + client.send(h11.EndOfMessage()))
+                assert (await read_response(stream, client)).status_code == 200
+                client.start_next_cycle()
+        stop.set()
+
+
+async def test_an_answer_that_leaves_a_piled_up_body_unread_still_closes_its_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The app answers without reading a body that has filled its queue: telling it the
+    stream closed cannot go through, and the connection used to stay open for good (its
+    slot under the cap with it). Now it closes within the write-stall bound."""
+    finished = trio.Event()
+
+    async def answers_later(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await trio.sleep(30)  # virtual: the body piles up unread meanwhile
+        headers = [(b"content-length", b"2"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": b"no"})
+        finished.set()
+
+    limits = LimitsConfig(write_stall_timeout_s=5.0, body_read_timeout_s=600.0)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(
+            partial(
+                serve_app,
+                answers_later,
+                parse_listen("127.0.0.1:0"),
+                limits,
+                grace_s=1.0,
+                shutdown_trigger=stop.wait,
+            )
+        )
+        stream = await trio.open_tcp_stream(*host_port(bound[0]))
+        body = b"x" * (8 * 1024 * 1024)
+        head = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)
+
+        async def send_body() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(head + body)
+
+        nursery.start_soon(send_body)
+        reply = b""
+        with trio.fail_after(120):
+            with contextlib.suppress(trio.BrokenResourceError):
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+            answered_at = trio.current_time()
+        await stream.aclose()
+        stop.set()
+    assert reply.startswith(b"HTTP/1.1 503") and reply.endswith(b"no")
+    assert finished.is_set()
+    assert answered_at < 30 + 5 + 1

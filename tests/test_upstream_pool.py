@@ -202,6 +202,60 @@ async def test_an_aborted_answer_never_reads_as_a_clean_end() -> None:
             await answer.read()
 
 
+class AbortAfterFirstStep(trio.abc.Instrument):
+    """Aborts `answer` the moment `task` first yields, as a reclaim cut does when it runs
+    while the relay's task is parked inside a read that already has its bytes."""
+
+    def __init__(self, answer: PooledAnswer) -> None:
+        self.answer = answer
+        self.task: trio.lowlevel.Task | None = None
+        self.aborted = False
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task and not self.aborted:
+            self.aborted = True
+            self.answer.abort()
+
+
+async def test_an_answer_aborted_while_its_end_is_being_read_never_reads_as_a_clean_end() -> None:
+    """The end of the answer is already in the socket when the relay reads again: the read
+    takes it at once and yields on its way back, and the cut runs in that yield. The read
+    must still fail: read as a clean end, the relay finished the borrower's answer while
+    the cut was pending, and the server, cancelled inside its recycling of the borrower's
+    connection, left that connection unread forever (found by tools/bench/owner_signals.py)."""
+    end = trio.Event()
+
+    async def reply(stream: trio.SocketStream, request: bytes) -> bool:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await end.wait()
+        await stream.send_all(b"0\r\n\r\n")
+        return True
+
+    async with serving(reply) as (_, pool):
+        answer = await pool.request("POST", b"/v1/completions", HOST, b"{}")
+        assert await answer.read() == b"abc"
+        end.set()
+        await trio.testing.wait_all_tasks_blocked()  # the end is in the socket's buffer
+        instrument = AbortAfterFirstStep(answer)
+        read: list[bytes | BaseException | None] = []
+
+        async def reader() -> None:
+            instrument.task = trio.lowlevel.current_task()
+            try:
+                read.append(await answer.read())
+            except UpstreamError as exc:
+                read.append(exc)
+
+        trio.lowlevel.add_instrument(instrument)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+        finally:
+            trio.lowlevel.remove_instrument(instrument)
+        assert instrument.aborted
+        assert len(read) == 1 and isinstance(read[0], UpstreamError), read
+
+
 async def test_no_cookie_the_upstream_sets_is_sent_back_on_a_later_request() -> None:
     # httpx kept a cookie jar, so one borrower's upstream session rode along on the next
     # borrower's request; the relay's client keeps nothing between requests.

@@ -18,6 +18,11 @@ The protocol's gaps, closed here:
   will be refused gets its refusal instead.
 * h2c cannot be refused: here the HTTP/1.1 protocol never switches, so an Upgrade: h2c
   or a prior-knowledge preface is just a request the app refuses.
+* the connection is recycled for its next request from inside the app's last send, with a
+  checkpoint in it (the app is told the stream closed). An app cancelled as it finished
+  its answer left the connection neither recycled nor closed: the client's next request
+  was never read. Here recycling is shielded, bounded, and closes the connection if it
+  cannot finish.
 
 An app that has a response's whole body in hand may ask (`HEAD_WITH_BODY`) for the head
 to go out in the same write as the body: one send and one TCP segment instead of two.
@@ -193,6 +198,15 @@ class FrontDoorProtocol(H11Protocol):
         if isinstance(event, StreamClosed):
             self._hold_head = False
         await super().stream_send(event)
+
+    async def _maybe_recycle(self) -> None:
+        with trio.CancelScope(shield=True) as recycling:
+            recycling.deadline = trio.current_time() + self.guard.limits.write_stall_timeout_s
+            await super()._maybe_recycle()
+        if recycling.cancelled_caught:
+            # The app never took its notice (its queue stayed full): close without it.
+            self.stream = None
+            await self.send(Closed())
 
     async def send_continue(self) -> None:
         """Tell a client waiting on `Expect: 100-continue` to send its body (the app has

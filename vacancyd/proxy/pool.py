@@ -137,6 +137,10 @@ class PooledAnswer:
         while not self._parse() and not self._pieces:
             assert self._connection is not None
             await self._connection.receive()
+            if self._aborted:
+                # Aborted while the receive, its bytes already taken, was on its way back:
+                # with the connection gone `_parse` would report the end of the answer.
+                raise UpstreamError("ReadError", "the connection was closed mid-answer")
         pieces, self._pieces = self._pieces, []
         if not pieces:
             return None
