@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 
@@ -79,3 +80,29 @@ def run_with_llama(args: Any, measure: Callable[[Any, str], Awaitable[dict[str, 
 
         result = trio.run(bounded)
     return LlamaRun(result, load, time.perf_counter() - started, llama)
+
+
+async def read_status(client: httpx.AsyncClient, api: str) -> dict[str, Any]:
+    """vacancyd's /status document."""
+    document: dict[str, Any] = (await client.get(f"{api}/status")).json()
+    return document
+
+
+async def status_until(
+    client: httpx.AsyncClient,
+    api: str,
+    predicate: Callable[[dict[str, Any]], bool],
+    what: str,
+    *,
+    timeout_s: float,
+    poll_s: float,
+) -> dict[str, Any]:
+    """The first /status document that `predicate` accepts, read every `poll_s`, with a
+    bounded count and time; RuntimeError naming `what` if none is within `timeout_s`."""
+    with trio.fail_after(timeout_s):
+        for _ in range(int(timeout_s / poll_s) + 1):
+            document = await read_status(client, api)
+            if predicate(document):
+                return document
+            await trio.sleep(poll_s)
+    raise RuntimeError(f"/status never showed {what}")

@@ -75,7 +75,7 @@ from tests.support.fake_nvml import GIB, NvmlCallLog, NvmlState
 from tests.support.fake_ollama import Model
 from tests.support.logind import LOGIND, SESSION_INTERFACE, mock_logind, session_path
 from tests.support.ollama_gpu import DisconnectingOllama, GpuMirror, fake_nvml_env, load_models
-from tools.bench.common import spread, version
+from tools.bench.common import read_status, spread, status_until, version
 
 SESSION = "2"
 MODEL = Model("bench:latest", size=4 * GIB)
@@ -156,19 +156,14 @@ class Bench:
         )
 
     async def status(self) -> dict[str, Any]:
-        document: dict[str, Any] = (await self.client.get(f"{self.daemon.api}/status")).json()
-        return document
+        return await read_status(self.client, self.daemon.api)
 
     async def status_until(
         self, predicate: Callable[[dict[str, Any]], bool], what: str
     ) -> dict[str, Any]:
-        with trio.fail_after(STEP_TIMEOUT_S):
-            for _ in range(int(STEP_TIMEOUT_S / POLL_S) + 1):
-                document = await self.status()
-                if predicate(document):
-                    return document
-                await trio.sleep(POLL_S)
-        raise RuntimeError(f"/status never showed {what}")
+        return await status_until(
+            self.client, self.daemon.api, predicate, what, timeout_s=STEP_TIMEOUT_S, poll_s=POLL_S
+        )
 
     async def set_locked(self, locked: bool) -> None:
         message = new_method_call(self._session, "SetLockedHint", "b", (locked,))
