@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pytest
 import trio
@@ -37,7 +37,7 @@ from jeepney import DBusAddress, MatchRule, message_bus, new_method_call
 from jeepney.io.trio import open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
-from tests.support.logind import dbusmock_python
+from tests.support.logind import dbusmock_python, log_file, start_dbus_daemon
 
 TEMPLATES = Path(__file__).resolve().parent / "dbus_templates"
 START_TIMEOUT_S = 30.0
@@ -93,22 +93,9 @@ class SessionBusFixture:
     async def start_bus(self) -> None:
         config = self.directory / "session.conf"
         config.write_text(BUS_CONFIG.format(socket=self.socket))
-        with log_file(self.directory / "dbus-daemon.log") as log:
-            self._bus = await trio.lowlevel.open_process(
-                ["dbus-daemon", f"--config-file={config}", "--nofork", "--print-address=1"],
-                stdout=subprocess.PIPE,
-                stderr=log,
-            )
-        assert self._bus.stdout is not None
-        printed = b""
-        with trio.fail_after(START_TIMEOUT_S):
-            while b"\n" not in printed:
-                chunk = await self._bus.stdout.receive_some()
-                if not chunk:
-                    raise RuntimeError("dbus-daemon exited before printing its address")
-                printed += chunk
-        await self._bus.stdout.aclose()
-        self.address = printed.decode().splitlines()[0].strip()
+        self._bus, self.address = await start_dbus_daemon(
+            config, self.directory / "dbus-daemon.log"
+        )
 
     async def stop_bus(self) -> None:
         """Kill dbus-daemon alone, as a session's end does: every connection breaks."""
@@ -269,11 +256,6 @@ async def session_bus(directory: Path) -> AsyncIterator[SessionBusFixture]:
     finally:
         with trio.CancelScope(shield=True):
             await fixture.stop_all()
-
-
-def log_file(path: Path) -> BinaryIO:
-    """A log file for a child process; the parent's copy is closed once it has started."""
-    return open(path, "ab")
 
 
 async def poll_until(

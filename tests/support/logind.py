@@ -118,23 +118,9 @@ class MockLogind:
         config = self.directory / "system-like.conf"
         config.write_text(BUS_CONFIG.format(socket=self.socket))
         self.socket.unlink(missing_ok=True)
-        with _append(self.directory / "dbus-daemon.log") as log:
-            self._bus = await trio.lowlevel.open_process(
-                ["dbus-daemon", f"--config-file={config}", "--nofork", "--print-address=1"],
-                stdout=subprocess.PIPE,
-                stderr=log,
-            )
-        assert self._bus.stdout is not None
-        # dbus-daemon prints its address once the socket listens: that line is readiness.
-        printed = b""
-        with trio.fail_after(START_TIMEOUT_S):
-            while b"\n" not in printed:
-                chunk = await self._bus.stdout.receive_some()
-                if not chunk:
-                    raise RuntimeError("dbus-daemon exited before printing its address")
-                printed += chunk
-        await self._bus.stdout.aclose()
-        self.address = printed.decode().splitlines()[0].strip()
+        self._bus, self.address = await start_dbus_daemon(
+            config, self.directory / "dbus-daemon.log"
+        )
 
     async def stop_bus(self) -> None:
         """Stop logind and the bus itself: every connection to it breaks."""
@@ -164,7 +150,7 @@ class MockLogind:
         command = [dbusmock_python(), "-m", "dbusmock", "--system", "--template", template]
         env = dict(os.environ, DBUS_SYSTEM_BUS_ADDRESS=self.address)
         log_path = self.directory / f"dbusmock-{template}.log"
-        with _append(log_path) as log:
+        with log_file(log_path) as log:
             process = await trio.lowlevel.open_process(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env
             )
@@ -388,9 +374,34 @@ self.UpdateProperties("org.freedesktop.login1.Manager", {
 """
 
 
-def _append(path: Path) -> BinaryIO:
+def log_file(path: Path) -> BinaryIO:
     """A log file for a child process; the parent's copy is closed once it has started."""
     return open(path, "ab")
+
+
+async def start_dbus_daemon(config: Path, log_path: Path) -> tuple[trio.Process, str]:
+    """A private dbus-daemon on `config`, and its address: it prints the address once its
+    socket listens, so that line is readiness."""
+    with log_file(log_path) as log:
+        process = await trio.lowlevel.open_process(
+            ["dbus-daemon", f"--config-file={config}", "--nofork", "--print-address=1"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+    assert process.stdout is not None
+    printed = b""
+    try:
+        with trio.fail_after(START_TIMEOUT_S):
+            while b"\n" not in printed:
+                chunk = await process.stdout.receive_some()
+                if not chunk:
+                    raise RuntimeError("dbus-daemon exited before printing its address")
+                printed += chunk
+    except BaseException:
+        process.kill()
+        raise
+    await process.stdout.aclose()
+    return process, printed.decode().splitlines()[0].strip()
 
 
 async def _stop(process: trio.Process) -> None:
