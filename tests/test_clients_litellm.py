@@ -181,3 +181,83 @@ async def lender_reclaim(daemon: InProcessDaemon) -> dict[str, Any]:
             if last is not None:
                 return dict(last)
             await trio.sleep(0.05)
+
+
+async def test_with_the_vacancy_callback_a_paused_lender_gets_no_borrowed_request(
+    lender: InProcessDaemon, llama_url: str
+) -> None:
+    """The Router as a new user writes it (one group, no fallback, no cooldown recipe) plus
+    the callback: while the lender pauses it receives no request at all and no caller sees
+    an error, and it takes traffic again within 3 s of its resume (the 2 s cache, then the
+    next decision). The lender's weight makes it the Router's choice whenever it is kept,
+    so where a request went says whether the callback kept it. LiteLLM runs its routing
+    callbacks on its async calls (`acompletion`), as its proxy server makes them: the
+    whole client side is one asyncio loop in a worker thread."""
+    from vacancyd.integrations.litellm import VacancyFilter, probe_of
+
+    lent = lender.proxy("lender")
+    probe = probe_of({"model_info": {"vacancy_probe": f"{lender.api}/vacancy/lender"}})
+    assert probe is not None
+    chooser = VacancyFilter(cache_s=2.0, probe_timeout_s=0.5)
+    litellm.success_callback, litellm.failure_callback = [], []
+    litellm.callbacks = [chooser]
+    router = litellm.Router(
+        model_list=[
+            {
+                "model_name": "chat",
+                "litellm_params": {
+                    "model": f"openai/{MODEL}",
+                    "api_base": f"{lent}/v1",
+                    "api_key": "sk-borrower",
+                    "weight": 1000,
+                },
+                "model_info": {"vacancy_probe": probe.url},
+            },
+            {
+                "model_name": "chat",
+                "litellm_params": {
+                    "model": f"openai/{MODEL}",
+                    "api_base": f"{llama_url}/v1",
+                    "api_key": "sk-none",
+                    "weight": 1,
+                },
+            },
+        ],
+    )
+    token = trio.lowlevel.current_trio_token()
+
+    def on_trio(call: Any, *args: Any) -> Any:
+        return trio.from_thread.run(call, *args, trio_token=token)
+
+    async def scenario() -> dict[str, Any]:
+        async def ask() -> str:
+            answer = await router.acompletion(model="chat", messages=HELLO, max_tokens=2)
+            return served_by(answer)
+
+        try:
+            seen: dict[str, Any] = {"first": await ask()}
+            trio.from_thread.run_sync(lender.state.set_lending, False, trio_token=token)
+            waited = time.monotonic()
+            while (await chooser.answer(probe)).vacancy:  # the cached yes runs out
+                assert time.monotonic() - waited < 10
+                await asyncio.sleep(0.1)
+            before = on_trio(attempts, lender, "lender")
+            seen["paused"] = [await ask() for _ in range(30)]  # an error would raise here
+            seen["lender_hit"] = on_trio(attempts, lender, "lender") - before
+            trio.from_thread.run_sync(lender.state.set_lending, True, trio_token=token)
+            resumed = time.monotonic()
+            while (where := await ask()) != lent and time.monotonic() - resumed < 6:  # noqa: ASYNC110 (another process decides)
+                await asyncio.sleep(0.1)
+            seen["back"], seen["back_after"] = where, time.monotonic() - resumed
+            return seen
+        finally:
+            await close_clients()
+
+    try:
+        seen = await in_thread(lambda: asyncio.run(scenario()))
+    finally:
+        litellm.callbacks = []
+    assert seen["first"] == lent
+    assert seen["paused"] == [llama_url] * 30
+    assert seen["lender_hit"] == 0
+    assert seen["back"] == lent and seen["back_after"] <= 3.0, seen["back_after"]

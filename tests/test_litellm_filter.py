@@ -1,0 +1,197 @@
+"""The LiteLLM callback (vacancyd.integrations.litellm) against real probes over loopback.
+
+The callback runs where LiteLLM runs, on an asyncio loop: here each decision is one
+`asyncio.run` in a worker thread, while the probes it reads are served on the test's trio
+loop: vacancyd daemons in-process (their real `/vacancy/<upstream>`), or a scripted server
+that counts what it is asked and answers what the test says (a hung one, a hostile one).
+The Router in front of a real llama-server is in tests/test_clients_litellm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from tests.support.clients import in_thread, lender_config
+from tests.support.daemon import in_process_daemon
+from tests.support.upstreams import EchoUpstream
+
+litellm_filter = pytest.importorskip("vacancyd.integrations.litellm")
+VacancyFilter = litellm_filter.VacancyFilter
+
+YES = b'{"upstream": "chat", "vacancy": true}'
+GUARD_S = 10.0
+
+
+@attrs.define
+class ScriptedProbe:
+    """Answers every GET with `status` and `body` (or never, with `hang`); counts them."""
+
+    url: str = ""
+    status: int = 200
+    body: bytes = YES
+    hang: bool = False
+    needs_token: str | None = None
+    asked: int = 0
+    authorizations: list[str | None] = attrs.Factory(list)
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                head += data
+            self.asked += 1
+            lines = head.decode("latin-1").split("\r\n")
+            authorization = next(
+                (line.split(":", 1)[1].strip() for line in lines if line.lower().startswith(
+                    "authorization:"
+                )),
+                None,
+            )  # fmt: skip
+            self.authorizations.append(authorization)
+            if self.hang:
+                await trio.sleep_forever()
+            status, body = self.status, self.body
+            if self.needs_token is not None and authorization != f"Bearer {self.needs_token}":
+                status, body = 401, b'{"error": {"code": "unauthorized"}}'
+            await stream.send_all(
+                b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (status, len(body), body)
+            )
+
+
+@asynccontextmanager
+async def scripted(**options: Any) -> AsyncIterator[ScriptedProbe]:
+    probe = ScriptedProbe(**options)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, probe.serve, 0, host="127.0.0.1"))
+        probe.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/vacancy/chat"
+        yield probe
+        nursery.cancel_scope.cancel()
+
+
+def deployment(name: str, probe: str | None = None, token: str | None = None) -> dict[str, Any]:
+    info: dict[str, Any] = {"id": name}
+    if probe is not None:
+        info["vacancy_probe"] = probe
+    if token is not None:
+        info["vacancy_token"] = token
+    return {"model_name": "chat", "litellm_params": {"model": "openai/m"}, "model_info": info}
+
+
+async def decide(
+    chooser: Any, deployments: list[dict[str, Any]], concurrent: int = 1
+) -> list[list[str]]:
+    """What `concurrent` routing decisions made at once keep, as deployment ids."""
+
+    async def all_at_once() -> list[list[dict[str, Any]]]:
+        return list(
+            await asyncio.gather(
+                *(
+                    chooser.async_filter_deployments("chat", list(deployments), None)
+                    for _ in range(concurrent)
+                )
+            )
+        )
+
+    with trio.fail_after(GUARD_S):
+        kept = await in_thread(lambda: asyncio.run(all_at_once()))
+    return [[d["model_info"]["id"] for d in decision] for decision in kept]
+
+
+async def test_a_refusing_lender_is_left_out_and_comes_back_when_it_lends(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    async with (
+        in_process_daemon(lender_config(echo.url, tmp_path / "a")) as lending,
+        in_process_daemon(lender_config(echo.url, tmp_path / "b")) as paused,
+    ):
+        paused.state.set_lending(False)
+        deployments = [
+            deployment("desk-a", f"{lending.api}/vacancy/lender"),
+            deployment("desk-b", f"{paused.api}/vacancy/lender"),
+            deployment("always-on"),
+        ]
+        chooser = VacancyFilter(cache_s=0)
+        assert await decide(chooser, deployments) == [["desk-a", "always-on"]]
+        paused.state.set_lending(True)
+        lending.state.set_lending(False)
+        assert await decide(chooser, deployments) == [["desk-b", "always-on"]]
+        assert await decide(chooser, deployments[2:]) == [["always-on"]]
+        assert chooser.probes_sent == 4  # a decision with no probe asks nothing
+
+
+async def test_one_probe_per_cache_period_however_many_decisions_ask() -> None:
+    async with scripted() as probe:
+        deployments = [deployment("desk", probe.url), deployment("desk-too", probe.url)]
+        cached = VacancyFilter(cache_s=600)
+        assert await decide(cached, deployments, concurrent=20) == [["desk", "desk-too"]] * 20
+        for _ in range(5):
+            assert await decide(cached, deployments) == [["desk", "desk-too"]]
+        assert probe.asked == cached.probes_sent == 1
+        uncached = VacancyFilter(cache_s=0)
+        for _ in range(3):
+            await decide(uncached, deployments)
+        assert probe.asked == 4
+
+
+ProbeCase = Callable[[ScriptedProbe], Awaitable[None]]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"status": 503, "body": b'{"vacancy": false}'},
+        {"status": 200, "body": b'{"vacancy": "yes"}'},  # another server's 200
+        {"status": 200, "body": b"<html>ok</html>"},
+        {"status": 200, "body": b'{"vacancy": true, "pad": "' + b"x" * 40_000 + b'"}'},
+        {"status": 404, "body": b"{}"},
+        {"hang": True},
+    ],
+    ids=["refusal", "not-ours", "not-json", "oversized", "not-found", "hung"],
+)
+async def test_anything_but_vacancyds_yes_is_no_vacancy(answer: dict[str, Any]) -> None:
+    async with scripted(**answer) as probe:
+        chooser = VacancyFilter(cache_s=600, probe_timeout_s=0.3)
+        deployments = [deployment("desk", probe.url), deployment("always-on")]
+        assert await decide(chooser, deployments, concurrent=3) == [["always-on"]] * 3
+        assert probe.asked == 1  # the no is cached like a yes: a hung lender costs one wait
+
+
+async def test_a_lender_that_is_not_there_is_no_vacancy() -> None:
+    async with scripted() as probe:
+        gone = probe.url
+    chooser = VacancyFilter(cache_s=0, probe_timeout_s=1.0)
+    assert await decide(chooser, [deployment("desk", gone), deployment("x")]) == [["x"]]
+
+
+async def test_the_token_is_sent_read_from_the_environment_as_litellm_spells_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with scripted(needs_token="s3cret") as probe:
+        chooser = VacancyFilter(cache_s=0)
+        monkeypatch.setenv("DESK_PROBE_TOKEN", "s3cret")
+        by_environment = deployment("desk", probe.url, "os.environ/DESK_PROBE_TOKEN")
+        assert await decide(chooser, [by_environment]) == [["desk"]]
+        assert await decide(chooser, [deployment("desk", probe.url, "s3cret")]) == [["desk"]]
+        monkeypatch.delenv("DESK_PROBE_TOKEN")
+        assert await decide(chooser, [by_environment]) == [[]]  # no token: 401: no
+    assert probe.authorizations == ["Bearer s3cret", "Bearer s3cret", None]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="cache_s"):
+        VacancyFilter(cache_s=-1)
+    with pytest.raises(ValueError, match="probe_timeout_s"):
+        VacancyFilter(probe_timeout_s=0)
