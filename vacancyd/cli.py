@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         "diagnostics": _diagnostics,
         "footprint": _footprint,
         "agent": _agent,
+        "fleet": _fleet,
     }[args.command]
     return handler(args)
 
@@ -103,7 +104,53 @@ def _parser() -> argparse.ArgumentParser:
             )
     _operator_commands(commands)
     _agent_commands(commands)
+    _fleet_command(commands)
     return parser
+
+
+def _fleet_command(commands: Any) -> None:
+    fleet = commands.add_parser(
+        "fleet", help="every lender of a fleet in one table (exit 1 if one could not be read)"
+    )
+    source = fleet.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", metavar="FILE", help="a fleet file ([[lender]] tables, TOML)")
+    source.add_argument(
+        "--litellm-config",
+        metavar="FILE",
+        help="a LiteLLM config.yaml: one lender per API its vacancy probes name",
+    )
+    fleet.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="per lender (default 5)"
+    )
+    fleet.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from vacancyd.fleet import (
+        COLUMNS,
+        FleetError,
+        fleet_rows,
+        lenders_from_file,
+        lenders_from_litellm,
+        read_fleet,
+        render_fleet,
+    )
+
+    try:
+        if args.file:
+            lenders = lenders_from_file(Path(args.file))
+        else:
+            lenders = lenders_from_litellm(Path(args.litellm_config))
+    except FleetError as exc:
+        print(f"vacancyd fleet: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    readings = trio.run(read_fleet, lenders, args.timeout)
+    if args.json:
+        rows = [dict(zip(COLUMNS, row, strict=True)) for row in fleet_rows(readings)]
+        print(json.dumps(rows, indent=2))
+    else:
+        print(render_fleet(readings))
+    return EXIT_FAILED if any(reading.status is None for reading in readings) else EXIT_OK
 
 
 def _agent_commands(commands: Any) -> None:
