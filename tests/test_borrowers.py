@@ -268,6 +268,7 @@ async def test_websocket_work_is_counted_for_its_borrower(
     assert bob["active_jobs"] == 0
 
 
+@pytest.mark.slow  # waits for a health read (every 2 s)
 async def test_reachability_shows_an_upstream_going_away_and_coming_back(
     tmp_path: Path,
 ) -> None:
@@ -296,7 +297,15 @@ async def test_reachability_shows_an_upstream_going_away_and_coming_back(
             (("upstream", "echo"),): 0.0
         }
 
+        # Refused connections also make it count as not answering (issue 19): its work
+        # waits for a health read to be answered.
+        assert down["not_answering"] is not None
         async with serve_echo(port):
+            with trio.fail_after(15):  # the health read comes every 2 s
+                while (await status(daemon))["upstreams"]["echo"]["reachability"][  # noqa: ASYNC110
+                    "not_answering"
+                ]:
+                    await trio.sleep(0.1)
             assert (await http.post(url, json=WORK)).status_code == 200
             back = (await status(daemon))["upstreams"]["echo"]["reachability"]
         assert back["ok"] is True and back["last_ok_age_s"] < down["last_ok_age_s"] + 60

@@ -20,6 +20,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -148,3 +149,70 @@ async def test_a_stream_whose_server_stops_ends_with_its_reason_at_the_idle_dead
         # The reservation was released as for a broken upstream: nothing is held.
         status = (await client.get(f"{daemon.api}/status")).json()
         assert status["upstreams"]["echo"]["active_work"] == []
+
+
+async def answer_everything(stream: trio.SocketStream) -> None:
+    """A plain HTTP/1.1 server: 200 and a small JSON body to every request, then close."""
+    async with stream:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            piece = await stream.receive_some(65536)
+            if not piece:
+                return
+            data += piece
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
+             if line.startswith(b"content-length:")),
+            0,
+        )  # fmt: skip
+        while len(body) < length:
+            body += await stream.receive_some(65536)
+        answer = b'{"ok": true}'
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (len(answer), answer)
+        )
+
+
+async def test_a_server_that_is_not_there_is_no_vacancy_until_it_answers(tmp_path: Any) -> None:
+    """Issue 19: a lender whose server refuses connections used to say it takes work
+    (the probe's 200) while every request ended in 502. Now the first refused connection
+    marks it, the probe and new work say `upstream_unresponsive`, and it lends again once
+    a health read is answered."""
+    free = trio.socket.socket()
+    await free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nobody listens here until the server starts below
+    config = one_upstream_config(f"http://127.0.0.1:{port}", tmp_path, limits=LIMITS)
+    async with (
+        in_process_daemon(config) as daemon,
+        httpx.AsyncClient(trust_env=False, timeout=30) as client,
+        trio.open_nursery() as nursery,
+    ):
+        proxy = daemon.proxy("echo")
+        assert (await client.get(f"{daemon.api}/vacancy/echo")).status_code == 200
+        failed = await client.post(f"{proxy}/v1/chat/completions", json=WORK)
+        assert failed.status_code == 502
+        assert failed.headers["x-vacancyd-reason"] == "upstream_unavailable"
+
+        refused = await client.post(f"{proxy}/v1/chat/completions", json=WORK)
+        assert refused.status_code == 503
+        assert refused.headers["x-vacancyd-reason"] == "upstream_unresponsive"
+        vacancy = await client.get(f"{daemon.api}/vacancy/echo")
+        assert vacancy.status_code == 503
+        assert vacancy.json()["error"]["code"] == "upstream_unresponsive"
+        why = await not_answering(client, daemon)
+        assert why is not None and "cannot be reached: ConnectError" in why["why"]
+
+        await nursery.start(partial(trio.serve_tcp, answer_everything, port, host="127.0.0.1"))
+        for _ in range(150):  # the health read comes every 2 s; 15 s at most
+            if await not_answering(client, daemon) is None:
+                break
+            await trio.sleep(0.1)
+        else:
+            pytest.fail("the upstream never counted as answering again")
+        assert (await client.get(f"{daemon.api}/vacancy/echo")).status_code == 200
+        answer = await client.post(f"{proxy}/v1/chat/completions", json=WORK)
+        assert answer.status_code == 200, answer.text
+        nursery.cancel_scope.cancel()

@@ -146,8 +146,11 @@ async def test_an_upstream_that_is_down_answers_502_and_releases(tmp_path: Path)
         assert first.status_code == 502
         assert first.json()["error"]["code"] == "upstream_unavailable"
         assert daemon.state.config.upstream[0].name == "echo"
+        # Its work is refused now as the server's, not the resource's: the first job's
+        # reservation did not leak (that would be resource_busy).
         second = await http.post(f"{daemon.proxy('echo')}/v1/embeddings", json={"model": "m"})
-        assert second.status_code == 502, "the first job's reservation leaked"
+        assert second.status_code == 503
+        assert second.json()["error"]["code"] == "upstream_unresponsive"
 
 
 async def test_stream_is_relayed_as_it_is_produced_and_holds_the_resource(

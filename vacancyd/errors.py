@@ -34,7 +34,12 @@ class UpstreamError(VacancydError):
 
 
 class UpstreamUnavailable(UpstreamError):
-    pass
+    """No answer's head came back. `unreachable`: not even a connection (refused, no
+    route, no connection in time), so nothing is there to answer anything."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 def quiet_detail(exc: BaseException) -> str:

@@ -120,6 +120,15 @@ class UpstreamExchange:
                 except UpstreamUnavailable as exc:
                     log.warning("upstream %s unavailable: %s", self._upstream.name, exc)
                     self._reached(str(exc))
+                    if exc.unreachable:
+                        # Nobody there to answer: refuse its work, and say so on the vacancy
+                        # probe, until a health read is answered (proxy/health.py), rather
+                        # than let gateways send more work that can only end in this 502.
+                        # (A connection that broke is left alone: a kept-alive one the
+                        # server closed as it was reused says nothing about the server.)
+                        self._admission.note_not_answering(
+                            self._upstream.name, f"cannot be reached: {exc}"
+                        )
                     watch.finishing = True
                     await replies.error(502, "upstream_unavailable", "the upstream did not answer")
                     nursery.cancel_scope.cancel()

@@ -19,7 +19,7 @@ from vacancyd.config import LimitsConfig, Target, is_loopback_host
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import Refuse
 from vacancyd.proxy.headers import response_headers
-from vacancyd.proxy.pool import PooledAnswer, UpstreamError, UpstreamPool
+from vacancyd.proxy.pool import CONNECT_FAILURES, PooledAnswer, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -190,5 +190,6 @@ async def open_upstream(
             method, raw_target, headers, body if body or method not in ("GET", "HEAD") else None
         )
     except UpstreamError as exc:
-        raise UpstreamUnavailable(str(exc)) from exc
+        unreachable = exc.kind in CONNECT_FAILURES
+        raise UpstreamUnavailable(str(exc), unreachable=unreachable) from exc
     return UpstreamResponse(answer, target)

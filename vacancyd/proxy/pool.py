@@ -65,6 +65,8 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
+# The failures that mean no connection was made at all (see `_connect`).
+CONNECT_FAILURES = frozenset({"ConnectError", "ConnectTimeout"})
 # What a broken answer is called; h11's own message would quote the bytes it choked on.
 BROKEN_ANSWER = "the upstream's answer is not valid HTTP/1.1"
 
