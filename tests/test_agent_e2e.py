@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -36,8 +34,16 @@ import pytest
 import trio
 
 from tests.support.daemon import InProcessDaemon, in_process_daemon
-from tests.support.desktop import SessionBusFixture, away_by, decided, log_file, session_bus
-from tests.support.logind import MockLogind, mock_logind
+from tests.support.desktop import (
+    SessionBusFixture,
+    away_by,
+    decided,
+    log_file,
+    owner_logind_fixture,  # noqa: F401  (registers the owner_logind fixture)
+    run_dir_fixture,  # noqa: F401  (registers the run_dir fixture)
+    session_bus,
+)
+from tests.support.logind import MockLogind
 from tests.support.upstreams import EchoUpstream
 
 pytestmark = pytest.mark.slow
@@ -84,22 +90,6 @@ default_need_mib = {{ ram2 = 64 }}
 """
 
 
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vacancyd-agent-e2e-"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def system_bus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MockLogind]:
-    async with mock_logind(tmp_path / "system") as mock:
-        monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", mock.address)
-        await mock.add_session("2", uid=os.geteuid(), user="root")
-        yield mock
-
-
 @asynccontextmanager
 async def agent_process(
     desktop: SessionBusFixture, socket_path: Path, log: Path
@@ -137,7 +127,7 @@ async def presence_until(
 
 
 async def test_what_the_owner_does_on_the_desktop_reaches_the_borrower(
-    system_bus: MockLogind,
+    owner_logind: MockLogind,
     echo: EchoUpstream,
     tmp_path: Path,
     run_dir: Path,
@@ -203,7 +193,7 @@ async def cli(*args: str) -> tuple[int, str]:
 
 
 async def test_a_pause_from_the_session_survives_a_restart_and_ends_by_itself(
-    system_bus: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
+    owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> None:
     socket_path = run_dir / "agent.sock"
     config = CONFIG.format(state_dir=tmp_path / "state", socket=socket_path, target=echo.url)

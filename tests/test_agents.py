@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import textwrap
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,11 @@ import pytest
 import trio
 
 from tests.support.daemon import InProcessDaemon, in_process_daemon
-from tests.support.logind import MockLogind, mock_logind
+from tests.support.desktop import (
+    owner_logind_fixture,  # noqa: F401  (registers the owner_logind fixture)
+    run_dir_fixture,  # noqa: F401  (registers the run_dir fixture)
+)
+from tests.support.logind import MockLogind
 from tests.support.upstreams import EchoUpstream
 from vacancyd.agent_protocol import (
     MAX_MESSAGE_BYTES,
@@ -72,24 +74,6 @@ default_need_mib = {{ ram = 64 }}
 """
 
 
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    """A directory other users may pass through (the unit makes /run/vacancyd 0711)."""
-    path = Path(tempfile.mkdtemp(prefix="vacancyd-agents-"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def bus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MockLogind]:
-    async with mock_logind(tmp_path / "bus") as mock:
-        monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", mock.address)
-        # The owner: root, this test's own uid, at a Wayland desk in front of seat0.
-        await mock.add_session("2", uid=os.geteuid(), user="root")
-        yield mock
-
-
 @attrs.define
 class Reporter:
     """A session agent's side of one connection."""
@@ -126,7 +110,7 @@ async def reporter(path: Path) -> AsyncIterator[Reporter]:
 
 @asynccontextmanager
 async def lender(
-    bus: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
+    owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> AsyncIterator[tuple[InProcessDaemon, httpx.AsyncClient, Path]]:
     path = run_dir / "agent.sock"
     config = CONFIG.format(state_dir=tmp_path / "state", socket=path, target=echo.url)
@@ -154,9 +138,9 @@ async def presence_until(
 
 
 async def test_an_agent_decides_for_the_owners_desk(
-    bus: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
+    owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> None:
-    async with lender(bus, echo, tmp_path, run_dir) as (daemon, client, path):
+    async with lender(owner_logind, echo, tmp_path, run_dir) as (daemon, client, path):
         proxy = daemon.proxy("echo")
         # logind alone: an unlocked desk in front of its seat is an owner at work.
         seen = await presence_until(client, daemon, lambda p: p["session"] == "active")
@@ -195,10 +179,10 @@ async def test_an_agent_decides_for_the_owners_desk(
 
 
 async def test_the_owner_pauses_and_resumes_from_the_session(
-    bus: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
+    owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> None:
     async with (
-        lender(bus, echo, tmp_path, run_dir) as (daemon, client, path),
+        lender(owner_logind, echo, tmp_path, run_dir) as (daemon, client, path),
         reporter(path) as agent,
     ):
         await agent.send(Command("pause", for_s=600.0))
@@ -241,11 +225,11 @@ STRANGER = textwrap.dedent(
 
 
 async def test_only_the_owner_is_heard(
-    bus: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
+    owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("a second uid needs root")
-    async with lender(bus, echo, tmp_path, run_dir) as (daemon, client, path):
+    async with lender(owner_logind, echo, tmp_path, run_dir) as (daemon, client, path):
         # Another local user, with no session of its own, claims the owner is away.
         result = await trio.run_process(
             [sys.executable, "-c", STRANGER, str(path), to_json(AWAY).decode()],

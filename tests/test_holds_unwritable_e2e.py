@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import re
 import resource
-from collections.abc import Callable
-from contextlib import aclosing, suppress
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,27 @@ def errors_naming(daemon: DaemonProcess, pattern: str) -> list[str]:
     return [line for line in daemon.lines if regex.search(line)]
 
 
+@asynccontextmanager
+async def locked_desk(
+    tmp_path: Path, runtime: Path | None = None
+) -> AsyncIterator[tuple[MockLogind, httpx.AsyncClient, dict[str, str]]]:
+    """A locked local session on a mock logind (so borrowed work is lent), a client, and
+    the environment a daemon needs: that bus, and `runtime` as its runtime directory, or
+    none."""
+    async with (
+        mock_logind(tmp_path / "bus") as logind,
+        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
+    ):
+        await logind.add_session(SESSION, announce=False)
+        await logind.set_locked(SESSION, True)
+        where = (
+            NO_RUNTIME_DIR
+            if runtime is None
+            else {"RUNTIME_DIRECTORY": str(runtime), "XDG_RUNTIME_DIR": ""}
+        )
+        yield logind, client, {"DBUS_SYSTEM_BUS_ADDRESS": logind.address, **where}
+
+
 def break_file(path: Path) -> None:
     """A directory where the file goes: root's daemon cannot save it (EISDIR)."""
     path.unlink()
@@ -217,14 +238,7 @@ async def test_a_hold_that_cannot_be_saved_is_reported_saved_once_it_can_and_res
     holds = state_dir / "holds.json"
     config = tmp_path / "vacancyd.toml"
     config.write_text(CUT_ON_RETURN.format(state_dir=state_dir, target=echo.url))
-    async with (
-        mock_logind(tmp_path / "bus") as logind,
-        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
-    ):
-        await logind.add_session(SESSION, announce=False)
-        await logind.set_locked(SESSION, True)
-        env = {"DBUS_SYSTEM_BUS_ADDRESS": logind.address, **NO_RUNTIME_DIR}
-
+    async with locked_desk(tmp_path) as (logind, client, env):
         async with daemon_process(config, env=env) as first:
             # Written at start, so the directory replaces a real file.
             assert saved_holds(holds) == []
@@ -393,17 +407,7 @@ async def test_a_copy_in_the_runtime_directory_is_kept_until_the_file_is_saved(
     copy = runtime / COPY_NAME
     config = tmp_path / "vacancyd.toml"
     config.write_text(CUT_ON_RETURN.format(state_dir=state_dir, target=echo.url))
-    async with (
-        mock_logind(tmp_path / "bus") as logind,
-        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
-    ):
-        await logind.add_session(SESSION, announce=False)
-        await logind.set_locked(SESSION, True)
-        env = {
-            "DBUS_SYSTEM_BUS_ADDRESS": logind.address,
-            "RUNTIME_DIRECTORY": str(runtime),
-            "XDG_RUNTIME_DIR": "",
-        }
+    async with locked_desk(tmp_path, runtime) as (logind, client, env):
         async with daemon_process(config, env=env) as daemon:
             break_file(holds)
             job_id = await cut_a_borrowed_stream(client, daemon, logind)
@@ -441,17 +445,7 @@ async def test_a_restart_before_the_disk_recovers_keeps_the_copied_hold_through_
     copy = runtime / COPY_NAME
     config = tmp_path / "vacancyd.toml"
     config.write_text(CUT_ON_RETURN.format(state_dir=state_dir, target=echo.url))
-    async with (
-        mock_logind(tmp_path / "bus") as logind,
-        httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
-    ):
-        await logind.add_session(SESSION, announce=False)
-        await logind.set_locked(SESSION, True)
-        env = {
-            "DBUS_SYSTEM_BUS_ADDRESS": logind.address,
-            "RUNTIME_DIRECTORY": str(runtime),
-            "XDG_RUNTIME_DIR": "",
-        }
+    async with locked_desk(tmp_path, runtime) as (logind, client, env):
         async with daemon_process(config, env=env) as first:
             break_file(holds)
             job_id = await cut_a_borrowed_stream(client, first, logind)

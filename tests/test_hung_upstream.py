@@ -30,6 +30,7 @@ import trio
 from tests.support.configs import one_upstream_config
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.echo_process import EchoProcess, echo_process
+from tests.support.raw_upstream import RawUpstream
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,15 @@ async def lender(tmp_path: Any) -> AsyncIterator[tuple[InProcessDaemon, EchoProc
 async def not_answering(client: httpx.AsyncClient, daemon: InProcessDaemon) -> Any:
     document = (await client.get(f"{daemon.api}/status")).json()
     return document["upstreams"]["echo"]["reachability"]["not_answering"]
+
+
+async def answering_again(client: httpx.AsyncClient, daemon: InProcessDaemon) -> None:
+    """Until a health read has found the upstream answering (one comes every 2 s)."""
+    for _ in range(150):  # 15 s at most
+        if await not_answering(client, daemon) is None:
+            return
+        await trio.sleep(0.1)
+    pytest.fail("the upstream never counted as answering again")
 
 
 async def test_a_stopped_server_times_out_every_borrower_and_refuses_new_work(
@@ -108,12 +118,7 @@ async def test_a_stopped_server_times_out_every_borrower_and_refuses_new_work(
             assert PASS_FIRST_BYTE_S <= trio.current_time() - started < PASS_FIRST_BYTE_S + SLACK_S
 
         # Continued: the health read sees it answer, and work is admitted again.
-        for _ in range(150):  # the health read comes every 2 s; 15 s at most
-            if await not_answering(client, daemon) is None:
-                break
-            await trio.sleep(0.1)
-        else:
-            pytest.fail("the upstream never counted as answering again")
+        await answering_again(client, daemon)
         answer = await client.post(f"{proxy}/v1/chat/completions", json=WORK)
         assert answer.status_code == 200, answer.text
         status = (await client.get(f"{daemon.api}/status")).json()
@@ -151,28 +156,11 @@ async def test_a_stream_whose_server_stops_ends_with_its_reason_at_the_idle_dead
         assert status["upstreams"]["echo"]["active_work"] == []
 
 
-async def answer_everything(stream: trio.SocketStream) -> None:
-    """A plain HTTP/1.1 server: 200 and a small JSON body to every request, then close."""
-    async with stream:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            piece = await stream.receive_some(65536)
-            if not piece:
-                return
-            data += piece
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = next(
-            (int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
-             if line.startswith(b"content-length:")),
-            0,
-        )  # fmt: skip
-        while len(body) < length:
-            body += await stream.receive_some(65536)
-        answer = b'{"ok": true}'
-        await stream.send_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (len(answer), answer)
-        )
+# Any request answered 200, as the server that comes up on the lender's port answers.
+ANSWER = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n"
+    b'connection: close\r\n\r\n{"ok": true}'
+)
 
 
 async def test_a_server_that_is_not_there_is_no_vacancy_until_it_answers(tmp_path: Any) -> None:
@@ -205,13 +193,9 @@ async def test_a_server_that_is_not_there_is_no_vacancy_until_it_answers(tmp_pat
         why = await not_answering(client, daemon)
         assert why is not None and "cannot be reached: ConnectError" in why["why"]
 
-        await nursery.start(partial(trio.serve_tcp, answer_everything, port, host="127.0.0.1"))
-        for _ in range(150):  # the health read comes every 2 s; 15 s at most
-            if await not_answering(client, daemon) is None:
-                break
-            await trio.sleep(0.1)
-        else:
-            pytest.fail("the upstream never counted as answering again")
+        server = RawUpstream(f"http://127.0.0.1:{port}", ANSWER)
+        await nursery.start(partial(trio.serve_tcp, server.serve, port, host="127.0.0.1"))
+        await answering_again(client, daemon)
         assert (await client.get(f"{daemon.api}/vacancy/echo")).status_code == 200
         answer = await client.post(f"{proxy}/v1/chat/completions", json=WORK)
         assert answer.status_code == 200, answer.text

@@ -30,7 +30,8 @@ import attrs
 import httpx
 import trio
 
-FROM_ENVIRONMENT = "os.environ/"  # LiteLLM's spelling of a secret from the environment
+from vacancyd.vacancy_probe import probe_of
+
 COLUMNS = ("LENDER", "LENDING", "OWNER", "FREE / SPARE", "RESIDENT", "RUNNING", "LAST REFUSAL")
 
 
@@ -102,15 +103,11 @@ def lenders_from_litellm(path: Path) -> list[Lender]:
     models = document.get("model_list") if isinstance(document, dict) else None
     lenders: dict[str, Lender] = {}
     for deployment in models if isinstance(models, list) else []:
-        info = deployment.get("model_info") if isinstance(deployment, dict) else None
-        probe = info.get("vacancy_probe") if isinstance(info, dict) else None
-        if not isinstance(probe, str) or "/vacancy/" not in probe:
+        probe = probe_of(deployment)
+        if probe is None or "/vacancy/" not in probe.url:
             continue
-        api = probe.split("/vacancy/", 1)[0].rstrip("/")
-        token = info.get("vacancy_token") if isinstance(info, dict) else None
-        if isinstance(token, str) and token.startswith(FROM_ENVIRONMENT):
-            token = os.environ.get(token.removeprefix(FROM_ENVIRONMENT))
-        lenders.setdefault(api, Lender(urlsplit(api).netloc, api, token or None))
+        api = probe.url.split("/vacancy/", 1)[0].rstrip("/")
+        lenders.setdefault(api, Lender(urlsplit(api).netloc, api, probe.token))
     if not lenders:
         raise FleetError(f"{path}: no deployment names a vacancy probe (model_info.vacancy_probe)")
     return list(lenders.values())

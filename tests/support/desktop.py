@@ -26,7 +26,8 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -34,11 +35,19 @@ from typing import Any
 
 import pytest
 import trio
-from jeepney import DBusAddress, MatchRule, message_bus, new_method_call
+from jeepney import DBusAddress, new_method_call
 from jeepney.io.trio import open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
-from tests.support.logind import dbusmock_python, log_file, start_dbus_daemon
+from tests.support.logind import (
+    MockLogind,
+    dbusmock_python,
+    log_file,
+    mock_logind,
+    start_bus_service,
+    start_dbus_daemon,
+    wait_for_bus_name,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "dbus_templates"
 START_TIMEOUT_S = 30.0
@@ -160,45 +169,10 @@ class SessionBusFixture:
     async def _spawn(self, name: str, command: list[str]) -> None:
         env = dict(os.environ, DBUS_SESSION_BUS_ADDRESS=self.address)
         log_path = self.directory / f"dbusmock-{name}.log"
-        with log_file(log_path) as log:
-            process = await trio.lowlevel.open_process(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        self._services[name] = process
-
-        async def fail_if_it_exits() -> None:
-            code = await process.wait()
-            raise RuntimeError(f"dbusmock for {name} exited ({code}):\n{log_path.read_text()}")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fail_if_it_exits)
-            await self._wait_name(name, owned=True)
-            nursery.cancel_scope.cancel()
+        self._services[name] = await start_bus_service(command, env, log_path, self.address, name)
 
     async def _wait_name(self, name: str, *, owned: bool) -> None:
-        rule = MatchRule(
-            type="signal",
-            sender="org.freedesktop.DBus",
-            interface="org.freedesktop.DBus",
-            member="NameOwnerChanged",
-            path="/org/freedesktop/DBus",
-        )
-        rule.add_arg_condition(0, name)
-        with trio.fail_after(START_TIMEOUT_S):
-            async with (
-                open_dbus_router(self.address) as router,
-                router.filter(rule, bufsize=16) as changes,
-            ):
-                unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(rule)))
-                (has_owner,) = unwrap_msg(
-                    await router.send_and_get_reply(message_bus.NameHasOwner(name))
-                )
-                if bool(has_owner) == owned:
-                    return
-                while True:
-                    _name, _old, new = (await changes.receive()).body
-                    if bool(new) == owned:
-                        return
+        await wait_for_bus_name(self.address, name, owned=owned)
 
     # -- calls, as a desktop's applications would make them ------------------------------
 
@@ -268,6 +242,29 @@ async def session_bus(directory: Path) -> AsyncIterator[SessionBusFixture]:
     finally:
         with trio.CancelScope(shield=True):
             await fixture.stop_all()
+
+
+@pytest.fixture(name="run_dir")
+def run_dir_fixture() -> Iterator[Path]:
+    """A directory other users may pass through (the unit makes /run/vacancyd 0711): where
+    the agent socket goes. Outside pytest's tmp_path, whose parents other users cannot
+    enter, and short enough for a socket path."""
+    path = Path(tempfile.mkdtemp(prefix="vacancyd-agents-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(name="owner_logind")
+async def owner_logind_fixture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[MockLogind]:
+    """A mock logind on the daemon's system bus whose session 2, a local Wayland desk in
+    front of seat0, belongs to this test's own uid (root): the owner an agent reports for."""
+    async with mock_logind(tmp_path / "system") as mock:
+        monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", mock.address)
+        await mock.add_session("2", uid=os.geteuid(), user="root")
+        yield mock
 
 
 async def poll_until(

@@ -150,20 +150,7 @@ class MockLogind:
         command = [dbusmock_python(), "-m", "dbusmock", "--system", "--template", template]
         env = dict(os.environ, DBUS_SYSTEM_BUS_ADDRESS=self.address)
         log_path = self.directory / f"dbusmock-{template}.log"
-        with log_file(log_path) as log:
-            process = await trio.lowlevel.open_process(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-
-        async def fail_if_it_exits() -> None:
-            code = await process.wait()
-            raise RuntimeError(f"dbusmock exited ({code}):\n{log_path.read_text()}")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fail_if_it_exits)
-            await self._wait_name(owned=True, name=name)
-            nursery.cancel_scope.cancel()
-        return process
+        return await start_bus_service(command, env, log_path, self.address, name)
 
     async def start_upower(self) -> None:
         """dbusmock's UPower (OnBattery false) beside logind, on the same bus."""
@@ -204,28 +191,7 @@ class MockLogind:
         self._logind.send_signal(signal.SIGCONT)
 
     async def _wait_name(self, *, owned: bool, name: str = LOGIND) -> None:
-        rule = MatchRule(
-            type="signal",
-            sender="org.freedesktop.DBus",
-            interface="org.freedesktop.DBus",
-            member="NameOwnerChanged",
-            path="/org/freedesktop/DBus",
-        )
-        rule.add_arg_condition(0, name)
-        with trio.fail_after(START_TIMEOUT_S):
-            async with (
-                open_dbus_router(self.address) as router,
-                router.filter(rule, bufsize=16) as changes,
-            ):
-                unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(rule)))
-                reply = await router.send_and_get_reply(message_bus.NameHasOwner(name))
-                (has_owner,) = unwrap_msg(reply)
-                if bool(has_owner) == owned:
-                    return
-                while True:
-                    _name, _old, new = (await changes.receive()).body
-                    if bool(new) == owned:
-                        return
+        await wait_for_bus_name(self.address, name, owned=owned)
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -402,6 +368,59 @@ async def start_dbus_daemon(config: Path, log_path: Path) -> tuple[trio.Process,
         raise
     await process.stdout.aclose()
     return process, printed.decode().splitlines()[0].strip()
+
+
+async def wait_for_bus_name(address: str, name: str, *, owned: bool) -> None:
+    """Until `name` has an owner on the bus at `address` (or, `owned` False, has none)."""
+    rule = MatchRule(
+        type="signal",
+        sender="org.freedesktop.DBus",
+        interface="org.freedesktop.DBus",
+        member="NameOwnerChanged",
+        path="/org/freedesktop/DBus",
+    )
+    rule.add_arg_condition(0, name)
+    with trio.fail_after(START_TIMEOUT_S):
+        async with (
+            open_dbus_router(address) as router,
+            router.filter(rule, bufsize=16) as changes,
+        ):
+            unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(rule)))
+            reply = await router.send_and_get_reply(message_bus.NameHasOwner(name))
+            (has_owner,) = unwrap_msg(reply)
+            if bool(has_owner) == owned:
+                return
+            while True:
+                _name, _old, new = (await changes.receive()).body
+                if bool(new) == owned:
+                    return
+
+
+async def start_bus_service(
+    command: list[str], env: dict[str, str], log_path: Path, address: str, name: str
+) -> trio.Process:
+    """A process that serves `name` on the bus at `address`, returned once it owns the
+    name; if it exits first, the failure carries its log (and nothing is left running)."""
+    with log_file(log_path) as log:
+        process = await trio.lowlevel.open_process(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+
+    async def fail_if_it_exits() -> None:
+        code = await process.wait()
+        log_text = await trio.Path(log_path).read_text()
+        raise RuntimeError(f"dbusmock for {name} exited ({code}):\n{log_text}")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail_if_it_exits)
+            await wait_for_bus_name(address, name, owned=True)
+            nursery.cancel_scope.cancel()
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _stop(process)
+        raise
+    return process
 
 
 async def _stop(process: trio.Process) -> None:

@@ -51,20 +51,12 @@ import attrs
 import httpx
 from litellm.integrations.custom_logger import CustomLogger
 
+from vacancyd.vacancy_probe import Probe, probe_of
+
 log = logging.getLogger(__name__)
 
-PROBE_KEY = "vacancy_probe"
-TOKEN_KEY = "vacancy_token"
-# LiteLLM's own spelling for a secret read from the environment.
-FROM_ENVIRONMENT = "os.environ/"
 # vacancyd's answer is a few dozen bytes; anything much larger is not vacancyd.
 MAX_ANSWER_BYTES = 16 * 1024
-
-
-@attrs.frozen
-class Probe:
-    url: str
-    token: str | None
 
 
 @attrs.frozen
@@ -72,22 +64,6 @@ class Answer:
     vacancy: bool
     read_at: float  # time.monotonic()
     why: str  # for the log: what said no, or "vacancy"
-
-
-def probe_of(deployment: object) -> Probe | None:
-    """The vacancy probe a deployment names in its `model_info`, if any."""
-    if not isinstance(deployment, dict):
-        return None
-    info = deployment.get("model_info")
-    if not isinstance(info, dict):
-        return None
-    url = info.get(PROBE_KEY)
-    if not isinstance(url, str) or not url:
-        return None
-    token = info.get(TOKEN_KEY)
-    if isinstance(token, str) and token.startswith(FROM_ENVIRONMENT):
-        token = os.environ.get(token.removeprefix(FROM_ENVIRONMENT))
-    return Probe(url, token if isinstance(token, str) and token else None)
 
 
 def says_vacancy(status: int, body: bytes) -> bool:
