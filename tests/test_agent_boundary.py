@@ -16,6 +16,7 @@ ALLOWED = {
     "vacancyd.json_input",  # the strict JSON reader the protocol parses with
     "vacancyd.probe",  # blocking calls on a worker thread under a deadline (Xlib)
     "vacancyd.once",  # reports a reconnecting watcher started once
+    "vacancyd.dbus_watch",  # a bus connection that watches signals
     "vacancyd.durations",
     "vacancyd.errors",
 }

@@ -24,6 +24,7 @@ from tests.support.logind import (
     presence_running,
     wait_for_presence,
 )
+from vacancyd import dbus_watch
 from vacancyd.config import OwnerConfig, PresenceBackend
 from vacancyd.gate import decide
 from vacancyd.model import (
@@ -36,7 +37,6 @@ from vacancyd.model import (
     Refuse,
     SessionState,
 )
-from vacancyd.presence import logind as logind_module
 from vacancyd.presence.backends import (
     HeadlessBackend,
     NoBackend,
@@ -322,7 +322,7 @@ async def test_reconnection_follows_the_poll_not_a_busy_loop(
     """
     monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", f"unix:path={tmp_path / 'nothing-here'}")
     attempts = 0
-    connect = logind_module.open_dbus_connection
+    connect = dbus_watch.open_dbus_connection
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         nonlocal attempts
@@ -333,7 +333,8 @@ async def test_reconnection_follows_the_poll_not_a_busy_loop(
             await trio.sleep_forever()
         return await connect(*args, **kwargs)
 
-    monkeypatch.setattr(logind_module, "open_dbus_connection", counted)
+    # Every bus watcher connects through dbus_watch; only presence runs here.
+    monkeypatch.setattr(dbus_watch, "open_dbus_connection", counted)
     async with presence_running(presence_config_text(poll_interval_s=3.0)) as state:
         await trio.sleep(60)
         assert state.presence is not None

@@ -25,10 +25,11 @@ from typing import Any
 
 import trio
 from jeepney import DBusAddress, MatchRule, Message, Properties, message_bus, new_method_call
-from jeepney.io.trio import DBusRouter, open_dbus_connection
+from jeepney.io.trio import DBusRouter
 from jeepney.low_level import MessageFlag
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
+from vacancyd.dbus_watch import watching
 from vacancyd.once import started_once
 
 log = logging.getLogger(__name__)
@@ -127,25 +128,16 @@ class SessionBus:
 
     async def _serve(self, wake: Callable[[], None], report_started: Callable[[], None]) -> None:
         assert self.address is not None
-        with trio.fail_after(self.call_timeout_s * 4):
-            connection = await open_dbus_connection(bus=self.address)
-        send, receive = trio.open_memory_channel[Message](SIGNAL_BUFFER)
-        # The receiving end outlives the router, whose receiver closes every filter's
-        # channel when it stops (a send to a closed receiving end would kill it).
-        with receive:
-            async with connection, connection.router() as router:
-                for bus_rule, local_rule in signal_rules():
-                    router.filter(local_rule, channel=send.clone())
-                    with trio.fail_after(self.call_timeout_s * 4):
-                        unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(bus_rule)))
-                send.close()
-                self._router = router
-                self._problem = ""
-                log.info("agent: connected to the session bus")
-                report_started()
+        async with watching(
+            self.address, signal_rules(), timeout_s=self.call_timeout_s * 4, buffer=SIGNAL_BUFFER
+        ) as (router, receive):
+            self._router = router
+            self._problem = ""
+            log.info("agent: connected to the session bus")
+            report_started()
+            wake()
+            async for _signal in receive:
                 wake()
-                async for _signal in receive:
-                    wake()
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -189,12 +181,7 @@ class SessionBus:
 
 def signal_rules() -> list[tuple[MatchRule, MatchRule]]:
     """(rule for the bus's AddMatch, rule for jeepney's local filter) for every signal
-    that may change a reading.
-
-    The bus matches a well-known sender to its current owner, but jeepney's local filter
-    compares the sender field literally (a unique name), so the local rules leave the
-    sender out; a stray match costs one extra read, no more.
-    """
+    that may change a reading (see dbus_watch.py); a stray match costs one extra read."""
     pairs: list[tuple[MatchRule, MatchRule]] = []
 
     def member_of(sender: str, path: str, interface: str, member: str) -> None:

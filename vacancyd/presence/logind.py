@@ -50,10 +50,11 @@ from typing import Any
 
 import attrs
 import trio
-from jeepney import DBusAddress, MatchRule, Properties, message_bus, new_method_call
-from jeepney.io.trio import DBusRouter, open_dbus_connection
+from jeepney import DBusAddress, MatchRule, Properties, new_method_call
+from jeepney.io.trio import DBusRouter
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
+from vacancyd.dbus_watch import watching
 from vacancyd.model import PresenceReading, SessionState
 from vacancyd.once import started_once
 from vacancyd.presence.agent_policy import AgentVerdict, judge
@@ -347,34 +348,18 @@ class LogindBackend:
     async def _serve_connection(
         self, wake: Callable[[], None], report_started: Callable[[], None]
     ) -> None:
-        # open_dbus_router() is this same pair of steps; they are taken apart here so that
-        # connecting (socket, auth, Hello) runs under a deadline, not the connection's life.
-        with trio.fail_after(self._call_timeout_s):
-            connection = await open_dbus_connection(bus=self._bus)
-        send, receive = trio.open_memory_channel[Any](SIGNAL_BUFFER)
-        # The receiving end outlives the router: jeepney's receiver raises (and dies) if it
-        # dispatches a signal to a channel whose receiving end is already closed.
-        with receive:
-            async with connection, connection.router() as router:
-                for bus_rule, local_rule in _signal_rules():
-                    # Each filter gets its own clone of the channel and is never closed
-                    # from here: when the router stops, its receiver closes every filter's
-                    # channel itself, and closing one concurrently races with that (it
-                    # walks its filter table across an await).
-                    router.filter(local_rule, channel=send.clone())
-                    with trio.fail_after(self._call_timeout_s):
-                        reply = await router.send_and_get_reply(message_bus.AddMatch(bus_rule))
-                    unwrap_msg(reply)
-                send.close()
-                self._router = router
-                self._problem = ""
-                log.info("presence: connected to the system bus for logind")
-                report_started()
+        async with watching(
+            self._bus, _signal_rules(), timeout_s=self._call_timeout_s, buffer=SIGNAL_BUFFER
+        ) as (router, receive):
+            self._router = router
+            self._problem = ""
+            log.info("presence: connected to the system bus for logind")
+            report_started()
+            wake()
+            async for _signal in receive:
+                # Drain without pausing: the read this wake causes re-reads everything,
+                # so neither the signal's content nor a dropped neighbour of it matters.
                 wake()
-                async for _signal in receive:
-                    # Drain without pausing: the read this wake causes re-reads everything,
-                    # so neither the signal's content nor a dropped neighbour of it matters.
-                    wake()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -507,12 +492,8 @@ class LogindBackend:
 
 
 def _signal_rules() -> list[tuple[Any, Any]]:
-    """(rule for the bus's AddMatch, rule for jeepney's local filter) pairs.
-
-    The bus matches a well-known sender name to its current owner; jeepney's local filter
-    compares the sender field literally, which holds the unique name, so the local rules
-    leave the sender out. A stray signal from elsewhere costs one extra re-read, no more.
-    """
+    """(rule for the bus's AddMatch, rule for jeepney's local filter) pairs (see
+    dbus_watch.py); a stray signal from elsewhere costs one extra re-read, no more."""
     pairs = []
     for member in ("SessionNew", "SessionRemoved"):
         fields = {"type": "signal", "interface": MANAGER.interface, "member": member}

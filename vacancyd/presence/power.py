@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from jeepney import DBusAddress, MatchRule, Properties, message_bus
-from jeepney.io.trio import open_dbus_connection
+from jeepney import DBusAddress, MatchRule, Properties
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
+from vacancyd.dbus_watch import watching
 from vacancyd.model import PowerReading
 from vacancyd.once import started_once
 from vacancyd.state import SharedState
@@ -64,20 +64,14 @@ class PowerWatch:
             await trio.sleep(RETRY_S)
 
     async def _watch(self, report_started: Callable[[], None]) -> None:
-        with trio.fail_after(self._call_timeout_s):
-            connection = await open_dbus_connection(bus=self._bus)
-        send, receive = trio.open_memory_channel[Any](SIGNAL_BUFFER)
-        with receive:
-            async with connection, connection.router() as router:
-                for rule in _rules():
-                    router.filter(rule, channel=send.clone())
-                    with trio.fail_after(self._call_timeout_s):
-                        unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(rule)))
-                send.close()
+        rules = [(rule, rule) for rule in _rules()]
+        async with watching(
+            self._bus, rules, timeout_s=self._call_timeout_s, buffer=SIGNAL_BUFFER
+        ) as (router, receive):
+            await self._read(router)
+            report_started()
+            async for _signal in receive:
                 await self._read(router)
-                report_started()
-                async for _signal in receive:
-                    await self._read(router)
 
     async def _read(self, router: Any) -> None:
         """One full read of OnBattery; a UPower that is not there is 'not read'."""

@@ -27,10 +27,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
-from jeepney import DBusAddress, MatchRule, Properties, message_bus, new_method_call
-from jeepney.io.trio import DBusRouter, open_dbus_connection
+from jeepney import DBusAddress, MatchRule, Properties, new_method_call
+from jeepney.io.trio import DBusRouter
 from jeepney.wrappers import DBusErrorResponse, unwrap_msg
 
+from vacancyd.dbus_watch import watching
 from vacancyd.once import started_once
 from vacancyd.state import SharedState
 
@@ -45,6 +46,8 @@ DEFAULT_DELAY_MAX_S = 5.0
 # Released this long before logind would stop waiting, so the release is never late.
 RELEASE_MARGIN_S = 0.5
 RETRY_S = 60.0
+# PrepareForSleep signals that may wait unread (they come one per suspend and resume).
+SIGNAL_BUFFER = 64
 LOCK_WHY = "borrowed work is running on this machine"
 
 
@@ -108,35 +111,34 @@ class SleepWatch:
             await trio.sleep(RETRY_S)
 
     async def _serve(self, report_started: Callable[[], None]) -> None:
-        with trio.fail_after(self._call_timeout_s):
-            connection = await open_dbus_connection(bus=self._bus, enable_fds=True)
-        send, receive = trio.open_memory_channel[Any](64)
-        with receive:
-            async with connection, connection.router() as router:
-                rule = MatchRule(
-                    type="signal",
-                    interface=MANAGER.interface,
-                    member="PrepareForSleep",
-                    path=MANAGER.object_path,
-                )
-                router.filter(rule, channel=send)
-                with trio.fail_after(self._call_timeout_s):
-                    unwrap_msg(await router.send_and_get_reply(message_bus.AddMatch(rule)))
-                self.delay_max_s = await self._delay_max(router)
-                self.watching = True
-                self.note = f"watched: logind waits up to {self.delay_max_s:g}s for delay locks"
-                log.info("sleep: %s", self.note)
-                report_started()
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._keep_lock, router)
-                    async for message in receive:
-                        (starting,) = message.body
-                        if starting:
-                            await self._prepare()
-                        else:
-                            log.info("sleep: the machine is awake again; lending as before")
-                            self._state.set_sleeping(False, trio.current_time())
-                    nursery.cancel_scope.cancel()
+        rule = MatchRule(
+            type="signal",
+            interface=MANAGER.interface,
+            member="PrepareForSleep",
+            path=MANAGER.object_path,
+        )
+        async with watching(
+            self._bus,
+            [(rule, rule)],
+            timeout_s=self._call_timeout_s,
+            buffer=SIGNAL_BUFFER,
+            enable_fds=True,  # logind hands the delay lock over as a file descriptor
+        ) as (router, receive):
+            self.delay_max_s = await self._delay_max(router)
+            self.watching = True
+            self.note = f"watched: logind waits up to {self.delay_max_s:g}s for delay locks"
+            log.info("sleep: %s", self.note)
+            report_started()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_lock, router)
+                async for message in receive:
+                    (starting,) = message.body
+                    if starting:
+                        await self._prepare()
+                    else:
+                        log.info("sleep: the machine is awake again; lending as before")
+                        self._state.set_sleeping(False, trio.current_time())
+                nursery.cancel_scope.cancel()
 
     async def _delay_max(self, router: DBusRouter) -> float:
         """logind's InhibitDelayMaxUSec, in seconds (its default when it does not say)."""
