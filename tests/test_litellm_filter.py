@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
 
-from tests.support.clients import in_thread, lender_config
-from tests.support.daemon import in_process_daemon
+from tests.support.clients import in_thread, lender_config, upstream_status
+from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.fake_http import serve_fake
+from tests.support.fake_ollama import FakeOllama
 from tests.support.upstreams import EchoUpstream
 
 litellm_filter = pytest.importorskip("vacancyd.integrations.litellm")
@@ -42,6 +45,7 @@ class ScriptedProbe:
     needs_token: str | None = None
     asked: int = 0
     authorizations: list[str | None] = attrs.Factory(list)
+    targets: list[str] = attrs.Factory(list)
 
     async def serve(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -53,6 +57,7 @@ class ScriptedProbe:
                 head += data
             self.asked += 1
             lines = head.decode("latin-1").split("\r\n")
+            self.targets.append(lines[0].split(" ")[1])
             authorization = next(
                 (line.split(":", 1)[1].strip() for line in lines if line.lower().startswith(
                     "authorization:"
@@ -81,13 +86,15 @@ async def scripted(**options: Any) -> AsyncIterator[ScriptedProbe]:
         nursery.cancel_scope.cancel()
 
 
-def deployment(name: str, probe: str | None = None, token: str | None = None) -> dict[str, Any]:
+def deployment(
+    name: str, probe: str | None = None, token: str | None = None, model: str = "openai/m"
+) -> dict[str, Any]:
     info: dict[str, Any] = {"id": name}
     if probe is not None:
         info["vacancy_probe"] = probe
     if token is not None:
         info["vacancy_token"] = token
-    return {"model_name": "chat", "litellm_params": {"model": "openai/m"}, "model_info": info}
+    return {"model_name": "chat", "litellm_params": {"model": model}, "model_info": info}
 
 
 async def decide(
@@ -188,6 +195,145 @@ async def test_the_token_is_sent_read_from_the_environment_as_litellm_spells_it(
         monkeypatch.delenv("DESK_PROBE_TOKEN")
         assert await decide(chooser, [by_environment]) == [[]]  # no token: 401: no
     assert probe.authorizations == ["Bearer s3cret", "Bearer s3cret", None]
+
+
+async def test_the_probe_is_asked_about_the_model_the_deployment_sends() -> None:
+    async with scripted() as probe:
+        chooser = VacancyFilter(cache_s=0)
+        named = deployment("named", probe.url, model="ollama/llama3.2:3b")
+        named["model_info"]["vacancy_model"] = "llama3.2:latest"
+        for one in (
+            deployment("openai", probe.url, model="openai/gemma3"),
+            deployment("nested", probe.url, model="openai/google/gemma-3-1b"),
+            deployment("bare", probe.url + "?x=1", model="gemma3"),
+            named,
+        ):
+            await decide(chooser, [one])
+    assert probe.targets == [
+        "/vacancy/chat?model=gemma3",
+        "/vacancy/chat?model=google%2Fgemma-3-1b",
+        "/vacancy/chat?x=1&model=gemma3",
+        "/vacancy/chat?model=llama3.2%3Alatest",
+    ]
+
+
+@asynccontextmanager
+async def ollama_lender(state: Path) -> AsyncIterator[InProcessDaemon]:
+    async with serve_fake(FakeOllama()) as server:
+        config = lender_config(server.url, state, adapter="ollama")
+        async with in_process_daemon(config) as daemon:
+            yield daemon
+
+
+async def test_lenders_that_hold_the_model_are_preferred_while_they_have_vacancy(
+    tmp_path: Path,
+) -> None:
+    """Two lenders with the real probe in front of Ollama; one has served the model, so
+    its server holds it and a request there loads nothing."""
+    async with (
+        ollama_lender(tmp_path / "a") as holding,
+        ollama_lender(tmp_path / "b") as empty,
+        httpx.AsyncClient(trust_env=False, timeout=20) as http,
+    ):
+        served = await http.post(
+            f"{holding.proxy('lender')}/v1/chat/completions",
+            json={"model": "llama3.2:latest", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert served.status_code == 200, served.text
+        model = "ollama/llama3.2:latest"
+        deployments = [
+            deployment("holding", f"{holding.api}/vacancy/lender", model=model),
+            deployment("empty", f"{empty.api}/vacancy/lender", model=model),
+            deployment("always-on", model=model),
+        ]
+        assert await decide(VacancyFilter(cache_s=0), deployments) == [["holding", "always-on"]]
+        indifferent = VacancyFilter(cache_s=0, prefer_resident=False)
+        assert await decide(indifferent, deployments) == [["holding", "empty", "always-on"]]
+        other = [deployment(d["model_info"]["id"], d["model_info"].get("vacancy_probe"),
+                            model="ollama/qwen2.5:0.5b") for d in deployments]  # fmt: skip
+        assert await decide(VacancyFilter(cache_s=0), other) == [["holding", "empty", "always-on"]]
+        holding.state.set_lending(False)
+        assert await decide(VacancyFilter(cache_s=0), deployments) == [["empty", "always-on"]]
+
+
+@pytest.mark.slow
+# LiteLLM's own code, as the installed pydantic reads it (see tests/test_clients_litellm.py).
+@pytest.mark.filterwarnings("ignore:Items? .*ReadOnly. qualifier:UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_a_lender_that_refuses_is_asked_again_before_the_retry_picks(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    """The lender's last slot is taken after the probe said yes: the Router's request is
+    refused there (resource_busy), the failure drops that yes, and LiteLLM's retry asks
+    the probe again and goes to the always-on server instead of the busy lender."""
+    import litellm
+
+    config = lender_config(echo.url, tmp_path / "state", adapter="openai")
+    chooser = VacancyFilter(cache_s=600)
+    async with (
+        in_process_daemon(config) as lender,
+        serve_fake(FakeOllama()) as always_on,
+        httpx.AsyncClient(trust_env=False, timeout=20) as http,
+    ):
+        deployments = [
+            {
+                "model_name": "chat",
+                "litellm_params": {
+                    "model": "openai/llama3.2:latest",
+                    "api_base": f"{lender.proxy('lender')}/v1",
+                    "api_key": "x",
+                },
+                "model_info": {"id": "lender", "vacancy_probe": f"{lender.api}/vacancy/lender"},
+            },
+        ]
+        assert await decide(chooser, deployments) == [["lender"]]  # cached: a yes
+        async with http.stream(
+            "POST",
+            f"{lender.proxy('lender')}/v1/completions",
+            json={"echo_stream": {"events": 2}},
+        ) as running:
+            assert running.status_code == 200
+            router = litellm.Router(
+                model_list=[
+                    *deployments,
+                    {
+                        "model_name": "chat",
+                        "litellm_params": {
+                            "model": "openai/llama3.2:latest",
+                            "api_base": f"{always_on.url}/v1",
+                            "api_key": "x",
+                        },
+                        "model_info": {"id": "always-on"},
+                    },
+                ],
+                num_retries=3,
+            )
+            router.optional_callbacks = None
+            litellm.callbacks = [chooser]
+
+            async def ask_until_the_lender_is_tried() -> list[str]:
+                served = []
+                for _ in range(20):
+                    answer = await router.acompletion(
+                        model="chat", messages=[{"role": "user", "content": "hi"}]
+                    )
+                    served.append(answer._hidden_params["model_id"])
+                    if chooser.probes_sent > 1:
+                        break
+                return served
+
+            try:
+                with trio.fail_after(60):
+                    served = await in_thread(lambda: asyncio.run(ask_until_the_lender_is_tried()))
+            finally:
+                litellm.callbacks = []
+            echo.gate.set()
+        status = await upstream_status(lender, "lender")
+    # Every request was served by the always-on server, including the one the busy lender
+    # refused; the refusal made the callback ask the probe again (which said busy).
+    assert set(served) == {"always-on"}, served
+    assert status["refused"] == {"resource_busy": 1}, status
+    assert chooser.probes_sent == 2
 
 
 def test_bad_settings_are_refused() -> None:

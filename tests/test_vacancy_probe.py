@@ -67,7 +67,8 @@ def assert_refused(answer: httpx.Response, reason: str, retry_after: str) -> Non
 async def test_the_probe_flips_with_pause_and_resume(
     daemon: InProcessDaemon, echo: EchoUpstream
 ) -> None:
-    assert (await probe_until(daemon, 200)).json() == {"upstream": "lender", "vacancy": True}
+    answer = (await probe_until(daemon, 200)).json()
+    assert (answer["upstream"], answer["vacancy"], answer["model"]) == ("lender", True, None)
     daemon.state.set_lending(False)
     assert_refused(await probe(daemon), "lending_disabled", "300")
     daemon.state.set_lending(True)

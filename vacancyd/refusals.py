@@ -18,9 +18,19 @@ still needs the reason. So every answer vacancyd makes itself names its code in
 from __future__ import annotations
 
 REASON_HEADER = b"x-vacancyd-reason"
+# Every refusal's status, but for the one an upstream may answer otherwise (below).
+NO_VACANCY_STATUS = 503
+BUSY_CODE = "resource_busy"
 SHOULD_RETRY_HEADER = b"x-should-retry"
 # Response headers a browser page may read across origins; CORS safelists none of them.
 EXPOSED_HEADERS = b"retry-after, x-vacancyd-reason, x-should-retry"
+
+
+def refusal_status(code: str, busy_status: int = NO_VACANCY_STATUS) -> int:
+    """503 for every refusal but `resource_busy`, which answers the upstream's
+    `busy_status`: a slot that frees within seconds is not a host to bench for a cooldown,
+    and a gateway that benches on 503 may treat 429 as "try another one now"."""
+    return busy_status if code == BUSY_CODE else NO_VACANCY_STATUS
 
 
 def advice_headers(

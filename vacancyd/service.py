@@ -41,7 +41,7 @@ import attrs
 import trio
 
 from vacancyd.adapters import adapter_for
-from vacancyd.admission import Admission, Ledger
+from vacancyd.admission import Admission, Ledger, Prove
 from vacancyd.api.app import create_api_app
 from vacancyd.api.status import status_document
 from vacancyd.auth import Authenticator, read_token_file
@@ -406,6 +406,8 @@ async def run_daemon(
             await yielding.start("sleep", sleep_watch.run)
         can_unload: dict[str, bool] = {}
         guards: dict[str, ListenerGuard] = {}
+        # How the vacancy probe proves residency, per upstream (the proxies' own watches).
+        provers: dict[str, Callable[[str | None], Prove | None]] = {}
         # Learned and estimated footprints, shared by every proxy (read once, here).
         footprints = FootprintBook(state_dir, state_files)
         for index, upstream in enumerate(config.upstream):
@@ -433,6 +435,7 @@ async def run_daemon(
                 reachability=published.reachability,
             )
             app.background = background
+            provers[upstream.name] = app.probe_prover
             # Reads the server only while it counts as not answering (missed a deadline).
             health = HealthWatch(
                 upstream.name, adapter, state, app.context(), published.reachability
@@ -484,6 +487,7 @@ async def run_daemon(
             operator=ops.tools(nvml),
             footprints=footprints,
             controls=controls,
+            provers=provers,
         )
         bound.record(
             "api",

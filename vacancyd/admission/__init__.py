@@ -12,6 +12,7 @@ from vacancyd.admission.gatekeeper import (
     PROOF_MAX_AGE_S,
     Admission,
     Prove,
+    Vacancy,
     need_for,
 )
 from vacancyd.admission.holds import HOLDS_KIND
@@ -33,5 +34,6 @@ __all__ = [
     "RelayHandle",
     "Reservation",
     "Share",
+    "Vacancy",
     "need_for",
 ]

@@ -81,6 +81,24 @@ def need_for(
 
 
 @attrs.frozen
+class Vacancy:
+    """The per-model answer of the vacancy probe (see `Admission.vacancy`)."""
+
+    refusal: Refuse | None
+    # The gate's question, with the footprint charged and each resource's spare memory.
+    question: GateInput
+    # Whether the upstream proves the model resident, so the request loads nothing; None
+    # where the upstream cannot tell.
+    resident: bool | None
+    residency_detail: str
+    # Borrowed jobs on the upstream's resource now, and how many one model may serve at
+    # once (the resident model's slots; 1 for a load, which runs alone).
+    busy_slots: int
+    slots: int
+    free_mib: dict[str, int | None]
+
+
+@attrs.frozen
 class _Credit:
     """The judgement of one proof for one request."""
 
@@ -147,6 +165,35 @@ class Admission:
         borrower: str,
     ) -> tuple[GateInput, Reservation | Refuse]:
         """Gate and ledger for one footprint, with no checkpoint in between."""
+        question, share = self._ask(upstream, resources, model, hint, credit)
+        decision = decide(question)
+        if isinstance(decision, Refuse):
+            return question, decision
+        need = question.need
+        charges = {name: charged_mib(need, name) for name in need.need_mib}
+        outcome = self._ledger.try_reserve(
+            upstream.name,
+            resources,
+            model,
+            job_ids,
+            share=share,
+            charged_mib=charges,
+            borrower=borrower,
+        )
+        if isinstance(outcome, Reservation) and share is None:
+            outcome.free_before_mib = self._gpu_free_mib(resources)
+        return question, outcome
+
+    def _ask(
+        self,
+        upstream: UpstreamConfig,
+        resources: tuple[str, ...],
+        model: str | None,
+        hint: FootprintHint | None,
+        credit: _Credit | None,
+    ) -> tuple[GateInput, Share | None]:
+        """The gate's question for one footprint, less what the credit gives back, and the
+        share of the resident model's slots the request may take (None: it runs alone)."""
         need = need_for(upstream, self._state.resources, model, hint)
         if credit is not None:
             reduced = {
@@ -161,23 +208,8 @@ class Admission:
             )
         sharing = credit is not None and credit.applies
         question = self._question(upstream, resources, need, sharing=sharing)
-        decision = decide(question)
-        if isinstance(decision, Refuse):
-            return question, decision
         share = Share(model, credit.slots) if credit is not None and sharing else None
-        charges = {name: charged_mib(need, name) for name in need.need_mib}
-        outcome = self._ledger.try_reserve(
-            upstream.name,
-            resources,
-            model,
-            job_ids,
-            share=share,
-            charged_mib=charges,
-            borrower=borrower,
-        )
-        if isinstance(outcome, Reservation) and share is None:
-            outcome.free_before_mib = self._gpu_free_mib(resources)
-        return question, outcome
+        return question, share
 
     def _gpu_free_mib(self, resources: tuple[str, ...]) -> dict[str, int]:
         free = {}
@@ -371,21 +403,57 @@ class Admission:
     def poll_interval_s(self) -> float:
         return self._state.poll_interval_s
 
-    def vacancy(self, upstream: UpstreamConfig) -> Refuse | None:
-        """The refusal a request of the upstream's default footprint would get now, or None
-        when it would be admitted: the answer of `GET /vacancy/<upstream>`.
+    async def vacancy(
+        self,
+        upstream: UpstreamConfig,
+        model: str | None = None,
+        prove: Prove | None = None,
+        hint: FootprintHint | None = None,
+    ) -> Vacancy:
+        """What a request for `model` (None: the upstream's default footprint) would meet
+        now: the answer of `GET /vacancy/<upstream>`.
 
-        For load balancers and gateways that route on a health URL. It reserves nothing,
-        records no decision and never calls the upstream; a resource waiting for its
-        post-release sample is not refused here, because `admit` waits for that sample.
+        For gateways and load balancers that route on it, so it judges as `admit` would,
+        residency credit included: a lender whose resident model has a free slot says
+        yes, as its next request would be admitted. It reserves nothing and records no
+        decision; the upstream is read only when the last residency proof is too old for
+        admission to take (at most one read per PROOF_MAX_AGE_S, shared with admission).
+        A resource waiting for its post-release sample is not refused here, because
+        `admit` waits for that sample.
         """
         resources = (upstream.resource, *upstream.also_requires)
-        need = need_for(upstream, self._state.resources, None)
-        question = self._state.gate_input(upstream.name, upstream.owner_scope, resources, need)
+        credit: _Credit | None = None
+        residency: Residency | None = None
+        if prove is not None:
+            credit, residency = await self._judge(upstream, resources, prove)
+        question, share = self._ask(upstream, resources, model, hint, credit)
         decision = decide(question)
-        if isinstance(decision, Refuse):
-            return decision
-        return self._ledger.busy_refusal(upstream.name, resources, count=False)
+        refusal = decision if isinstance(decision, Refuse) else None
+        refusal = refusal or self._ledger.busy_refusal(
+            upstream.name, resources, share, model, count=False
+        )
+        resident = None if residency is None else credit is not None and credit.applies
+        slots = _slots(upstream, residency) if resident and residency is not None else 1
+        return Vacancy(
+            refusal=refusal,
+            question=question,
+            resident=resident,
+            residency_detail="" if credit is None else credit.detail,
+            busy_slots=len(self._ledger.holders(upstream.resource)),
+            slots=slots,
+            free_mib=self._free_mib(resources),
+        )
+
+    def _free_mib(self, resources: tuple[str, ...]) -> dict[str, int | None]:
+        """Free memory now, per budgeted resource (None where there is no reading)."""
+        free: dict[str, int | None] = {}
+        for name in resources:
+            if not self._state.resources[name].kind.has_bytes:
+                continue
+            observation = self._state.observation(name)
+            reading = None if observation is None else observation.free_bytes
+            free[name] = None if reading is None else reading // MIB
+        return free
 
 
 def _credit_could_help(tried: tuple[GateInput, Reservation | Refuse]) -> bool:

@@ -29,7 +29,7 @@ from vacancyd.api.metrics import CONTENT_TYPE, VacancydCollector, open_registry,
 from vacancyd.api.operator import OperatorTools, add_operator_routes
 from vacancyd.api.owner import lending_request, lending_status
 from vacancyd.api.status import is_ready, status_document
-from vacancyd.api.vacancy import add_vacancy_route
+from vacancyd.api.vacancy import Provers, add_vacancy_route
 from vacancyd.auth import Authenticator
 from vacancyd.config import Scope
 from vacancyd.controls import OwnerControls
@@ -150,6 +150,7 @@ def create_api_app(
     admission: Admission | None = None,
     footprints: FootprintBook | None = None,
     controls: OwnerControls | None = None,
+    provers: Provers | None = None,
 ) -> QuartTrio:
     app = QuartTrio("vacancyd.api")
     # The owner's switches are saved and restored through this (no file without one).
@@ -383,7 +384,16 @@ def create_api_app(
         )
 
     if admission is not None:
-        add_vacancy_route(app, state, admission, auth, reply=_json, error=_error)
+        add_vacancy_route(
+            app,
+            state,
+            admission,
+            auth,
+            reply=_json,
+            error=_error,
+            provers=provers,
+            footprints=footprints,
+        )
 
     @app.get("/")
     async def console() -> Response:

@@ -5,6 +5,7 @@ from vacancyd.config.load import default_config_text, load_config, parse_config,
 from vacancyd.config.schema import (
     AdapterName,
     AuthConfig,
+    BusyStatus,
     Config,
     HeatConfig,
     LendingWindow,
@@ -24,6 +25,7 @@ from vacancyd.config.schema import (
 __all__ = [
     "AdapterName",
     "AuthConfig",
+    "BusyStatus",
     "Config",
     "HeatConfig",
     "HostPort",

@@ -55,6 +55,15 @@ class Management(enum.Enum):
     ALLOW = "allow"
 
 
+class BusyStatus(enum.Enum):
+    """The status of a `resource_busy` refusal. 503 is every refusal's; 429 reads to a
+    gateway as "too many right now, come back soon", which LiteLLM and others handle under
+    a policy of its own (docs/gateways.md, "Busy is not absent")."""
+
+    SERVICE_UNAVAILABLE = 503
+    TOO_MANY_REQUESTS = 429
+
+
 class LogLevel(enum.Enum):
     DEBUG = "debug"
     INFO = "info"
@@ -246,6 +255,9 @@ class UpstreamConfig:
     # Refusal reasons that tell SDK clients to retry in place (x-should-retry: true); every
     # other refusal says false, so the client fails over instead of sleeping Retry-After.
     retry_in_place: list[Reason] = attrs.Factory(lambda: [Reason.RESOURCE_BUSY])
+    # The status of a refusal because every slot is serving borrowed work (resource_busy);
+    # every other refusal is 503.
+    busy_status: BusyStatus = BusyStatus.SERVICE_UNAVAILABLE
     default_need_mib: dict[str, int] = attrs.Factory(dict)
     models: dict[str, ModelConfig] = attrs.Factory(dict)
     resident_min_free_mib: int = attrs.field(default=0, metadata=_ge(0))

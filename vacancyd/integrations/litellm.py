@@ -5,8 +5,19 @@ now and then to find out, benches it for a cooldown, and comes back only when th
 cooldown ends, however soon lending resumed. This callback asks each lender first: every
 deployment whose `model_info` names a vacancyd probe (`GET /vacancy/<upstream>` on the
 lender's API) is kept in the routing decision only while that probe says there is
-vacancy. A refusing lender then gets no borrowed request at all, only probes, at most one
-per `cache_s` per gateway; a lender that resumes is back in the choice within `cache_s`.
+vacancy for the deployment's model. A refusing lender then gets no borrowed request at
+all, only probes, at most one per `cache_s` per gateway; a lender that resumes is back in
+the choice within `cache_s`.
+
+Among lenders with vacancy, those whose server already holds the model (the probe says
+`resident`) are preferred: while one of them has a free slot, lenders that would have to
+load the model are left out too (`prefer_resident`). A lender whose free memory cannot
+take the model's footprint says no vacancy for that model, so it is left out as well.
+
+A lender that refuses a request anyway (its last slot was taken between probe and
+request: `resource_busy`) costs the caller one retry elsewhere, not a bench: the failure
+drops that lender's cached answer, so LiteLLM's retry asks the probe again instead of
+picking it once more from a stale yes.
 
 Install it where the gateway runs: `pip install 'vacancyd[litellm]'` (the daemon itself
 never imports LiteLLM). Then name a probe on each lent deployment, and register the
@@ -26,12 +37,14 @@ callback:
     from vacancyd.integrations.litellm import VacancyFilter
     litellm.callbacks.append(VacancyFilter(cache_s=2.0, probe_timeout_s=0.5))
 
-The shared `vacancy_filter` reads its settings from VACANCYD_PROBE_CACHE_S and
-VACANCYD_PROBE_TIMEOUT_S (defaults 2 and 0.5 seconds). Deployments without a probe (a
-server nobody borrows) pass untouched. A probe that cannot be read, times out, or answers
-anything but vacancyd's own yes counts as no vacancy: a gateway must not send borrowed
-work to a machine it cannot ask. When every deployment of a group is left out, LiteLLM
-raises as for a group with none, and its fallbacks apply.
+The probe is asked about the model the deployment sends (`litellm_params.model` less its
+provider prefix, or `model_info.vacancy_model`). The shared `vacancy_filter` reads its
+settings from VACANCYD_PROBE_CACHE_S, VACANCYD_PROBE_TIMEOUT_S (defaults 2 and 0.5
+seconds) and VACANCYD_PREFER_RESIDENT (default 1; 0 turns the preference off).
+Deployments without a probe (a server nobody borrows) pass untouched. A probe that cannot
+be read, times out, or answers anything but vacancyd's own yes counts as no vacancy: a
+gateway must not send borrowed work to a machine it cannot ask. When every deployment of
+a group is left out, LiteLLM raises as for a group with none, and its fallbacks apply.
 
 The probes of one decision go out together, so a decision waits at most
 `probe_timeout_s`, once per `cache_s` per lender; requests that arrive while a probe is
@@ -64,29 +77,41 @@ class Answer:
     vacancy: bool
     read_at: float  # time.monotonic()
     why: str  # for the log: what said no, or "vacancy"
+    # The lender's server holds the model as loaded (the request loads nothing).
+    resident: bool = False
 
 
-def says_vacancy(status: int, body: bytes) -> bool:
-    """vacancyd's yes: 200 with `"vacancy": true`. Anything else (its 503, a 401 for a
-    missing token, another server's 200) is no."""
+def read_answer(status: int, body: bytes) -> tuple[bool, bool]:
+    """(vacancy, resident) from a probe's answer. vacancyd's yes is 200 with
+    `"vacancy": true`; anything else (its 503 or 429, a 401 for a missing token, another
+    server's 200) is no."""
     if status != 200:
-        return False
+        return False, False
     try:
         document = json.loads(body)
     except ValueError:
-        return False
-    return isinstance(document, dict) and document.get("vacancy") is True
+        return False, False
+    if not isinstance(document, dict) or document.get("vacancy") is not True:
+        return False, False
+    return True, document.get("resident") is True
+
+
+def says_vacancy(status: int, body: bytes) -> bool:
+    return read_answer(status, body)[0]
 
 
 class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is untyped here
     """LiteLLM calls `async_filter_deployments` on every routing decision; see the module."""
 
-    def __init__(self, *, cache_s: float = 2.0, probe_timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, *, cache_s: float = 2.0, probe_timeout_s: float = 0.5, prefer_resident: bool = True
+    ) -> None:
         if cache_s < 0 or probe_timeout_s <= 0:
             raise ValueError("cache_s must be at least 0 and probe_timeout_s above 0")
         super().__init__()
         self.cache_s = cache_s
         self.probe_timeout_s = probe_timeout_s
+        self.prefer_resident = prefer_resident
         self.probes_sent = 0
         self._answers: dict[Probe, Answer] = {}
         # One probe out per lender and event loop; later askers wait for it.
@@ -105,11 +130,24 @@ class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is u
         if not wanted:
             return healthy_deployments
         answers = dict(zip(wanted, await asyncio.gather(*map(self.answer, wanted)), strict=True))
+        any_resident = self.prefer_resident and any(
+            answer.vacancy and answer.resident for answer in answers.values()
+        )
         return [
             deployment
             for deployment, probe in zip(healthy_deployments, probes, strict=True)
-            if probe is None or answers[probe].vacancy
+            if probe is None
+            or (answers[probe].vacancy and (answers[probe].resident or not any_resident))
         ]
+
+    async def async_log_failure_event(
+        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        """A lender that failed a request is asked again before it is picked again: its
+        cached yes is what sent the request there, and is no longer news."""
+        probe = probe_of(_deployment_of(kwargs))
+        if probe is not None and self._answers.pop(probe, None) is not None:
+            log.info("vacancyd: %s failed a request; asking its probe again", probe.url)
 
     async def answer(self, probe: Probe) -> Answer:
         """The probe's answer, read at most `cache_s` ago."""
@@ -131,13 +169,13 @@ class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is u
         headers = {"Authorization": f"Bearer {probe.token}"} if probe.token else {}
         try:
             async with asyncio.timeout(self.probe_timeout_s):
-                status, body = await _get(probe.url, headers)
+                status, body = await _get(probe.asks, headers)
         except (httpx.HTTPError, OSError, TimeoutError) as exc:
             answer = Answer(False, time.monotonic(), f"probe unreadable ({type(exc).__name__})")
         else:
-            vacancy = says_vacancy(status, body)
+            vacancy, resident = read_answer(status, body)
             why = "vacancy" if vacancy else f"HTTP {status}"
-            answer = Answer(vacancy, time.monotonic(), why)
+            answer = Answer(vacancy, time.monotonic(), why, resident)
         previous = self._answers.get(probe)
         if previous is None or previous.vacancy != answer.vacancy:
             log.info(
@@ -148,6 +186,20 @@ class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is u
             )
         self._answers[probe] = answer
         return answer
+
+
+def _deployment_of(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The deployment a failed call went to, as LiteLLM passes it to failure callbacks:
+    its `model_info` and `litellm_params` (the fields `probe_of` reads)."""
+    params = kwargs.get("litellm_params")
+    params = params if isinstance(params, dict) else {}
+    info = params.get("model_info") or kwargs.get("model_info")
+    metadata = params.get("metadata")
+    deployment = metadata.get("deployment") if isinstance(metadata, dict) else None
+    return {
+        "model_info": info if isinstance(info, dict) else {},
+        "litellm_params": {"model": deployment if isinstance(deployment, str) else None},
+    }
 
 
 async def _get(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -177,4 +229,5 @@ def _setting(name: str, default: float) -> float:
 vacancy_filter = VacancyFilter(
     cache_s=_setting("VACANCYD_PROBE_CACHE_S", 2.0),
     probe_timeout_s=_setting("VACANCYD_PROBE_TIMEOUT_S", 0.5),
+    prefer_resident=_setting("VACANCYD_PREFER_RESIDENT", 1.0) != 0,
 )

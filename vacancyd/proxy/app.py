@@ -52,6 +52,8 @@ from vacancyd.reachability import Reachability
 
 log = logging.getLogger(__name__)
 
+# The work the vacancy probe asks residency for: a chat request, as gateways send.
+PROBE_PATH = "/v1/chat/completions"
 # How long a load's footprint may wait for the reading taken after it.
 MEASURE_WITHIN_S = 15.0
 
@@ -160,7 +162,12 @@ class ProxyApp:
 
     def _replies(self, send: Any, found: Classification) -> Replies:
         """How this request is answered by vacancyd itself: in its route's dialect."""
-        return Replies(send, self.adapter.dialect_for(found), self._retry_in_place)
+        return Replies(
+            send,
+            self.adapter.dialect_for(found),
+            self._retry_in_place,
+            self.upstream.busy_status.value,
+        )
 
     async def _pass(
         self, found: Classification, scope: dict[str, Any], receive: Any, replies: Replies
@@ -265,6 +272,12 @@ class ProxyApp:
                 self._admission.release(outcome)
             if status is not None and 200 <= status < 300 and not outcome.shared:
                 self._learn_after_load(request, outcome)
+
+    def probe_prover(self, model: str | None) -> Prove | None:
+        """Residency proof for the vacancy probe's question: an OpenAI chat request for
+        `model`, what gateways send (None where the adapter cannot prove residency)."""
+        body = {"model": model} if model is not None else {}
+        return self._prover(WorkRequest(model, PROBE_PATH, body))
 
     def _prover(self, request: WorkRequest) -> Prove | None:
         watch = self.residency

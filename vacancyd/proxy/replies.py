@@ -17,7 +17,7 @@ import attrs
 from vacancyd.adapters import Dialect
 from vacancyd.model import Reason, Refuse
 from vacancyd.proxy.dialects import error_body
-from vacancyd.refusals import advice_headers
+from vacancyd.refusals import NO_VACANCY_STATUS, advice_headers, refusal_status
 
 Send = Any  # the ASGI send callable
 Headers = list[tuple[bytes, bytes]]
@@ -39,15 +39,18 @@ async def send_json(
 
 @attrs.frozen
 class Replies:
-    """The answers to one request: its ASGI `send`, the dialect of its route, and which
-    refusal reasons tell SDK clients to retry in place (the upstream's `retry_in_place`)."""
+    """The answers to one request: its ASGI `send`, the dialect of its route, which
+    refusal reasons tell SDK clients to retry in place (the upstream's `retry_in_place`),
+    and the status of a busy refusal (its `busy_status`)."""
 
     send: Send
     dialect: Dialect = Dialect.OPENAI
     retry_in_place: frozenset[Reason] = frozenset({Reason.RESOURCE_BUSY})
+    busy_status: int = NO_VACANCY_STATUS
 
     async def refusal(self, refusal: Refuse, *, close: bool = False) -> None:
-        """A 503 the gateway can fail over on; `close` when a request body was left unread."""
+        """A 503 (or the busy status) the gateway can fail over on; `close` when a request
+        body was left unread."""
         code = refusal.reason.value
         headers = advice_headers(
             code,
@@ -63,7 +66,7 @@ class Replies:
             refusal.detail,
             retry_after_s=refusal.retry_after_s,
         )
-        await send_json(self.send, 503, body, headers)
+        await send_json(self.send, refusal_status(code, self.busy_status), body, headers)
 
     async def error(
         self,

@@ -53,7 +53,7 @@ from vacancyd.proxy.forward import Relay, rewrite_location
 from vacancyd.proxy.headers import HOP_BY_HOP, header_value, response_headers
 from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
 from vacancyd.reachability import Reachability
-from vacancyd.refusals import advice_headers
+from vacancyd.refusals import advice_headers, refusal_status
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class WebSocketTunnels:
             await _answer(
                 stream,
                 dialect,
-                503,
+                refusal_status(outcome.reason.value, self.upstream.busy_status.value),
                 outcome.reason.value,
                 outcome.detail,
                 retry_after_s=outcome.retry_after_s,
