@@ -10,7 +10,7 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from tests.support.configs import one_upstream_config
-from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
+from tests.support.daemon import InProcessDaemon, in_process_daemon, upgrade_by_hand
 from tests.support.upstreams import EchoUpstream
 
 # trio-websocket's client does not close its TCP socket when the server side ends the
@@ -33,20 +33,7 @@ def ws_url(daemon: InProcessDaemon, path: str) -> str:
 
 
 async def refused_upgrade(daemon: InProcessDaemon, path: str) -> bytes:
-    """Send an upgrade by hand and read the whole (non-101) answer."""
-    host, port = host_port(daemon.proxy("echo"))
-    stream = await trio.open_tcp_stream(host, port)
-    reply = b""
-    async with stream:
-        await stream.send_all(
-            b"GET " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
-            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
-        )
-        with trio.fail_after(5):
-            while chunk := await stream.receive_some(4096):
-                reply += chunk
-    return reply
+    return await upgrade_by_hand(daemon.proxy("echo"), path)
 
 
 async def test_a_work_socket_is_admitted_held_and_relayed(

@@ -178,3 +178,21 @@ def host_port(url: str) -> tuple[str, int]:
     """("127.0.0.1", 8080) from "http://127.0.0.1:8080", for raw-socket clients."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
+
+
+async def upgrade_by_hand(proxy: str, path: str) -> bytes:
+    """Send a WebSocket upgrade to `proxy` by hand and read the whole (non-101) answer: a
+    WebSocket client library raises on a refusal and leaves its socket to the collector."""
+    host, port = host_port(proxy)
+    stream = await trio.open_tcp_stream(host, port)
+    reply = b""
+    async with stream:
+        await stream.send_all(
+            b"GET " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(4096):
+                reply += chunk
+    return reply

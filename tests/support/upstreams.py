@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -208,14 +209,18 @@ async def _watch_disconnect(receive: Any, gone: trio.Event) -> None:
 
 
 @asynccontextmanager
-async def serve_echo(port: int = 0) -> AsyncIterator[EchoUpstream]:
+async def serve_echo(
+    port: int = 0, *, certfile: Path | None = None, keyfile: Path | None = None
+) -> AsyncIterator[EchoUpstream]:
     """An echo upstream on `port` (any free one by default; a given one to bring an
-    upstream back where it was)."""
+    upstream back where it was); https and wss with `certfile` and `keyfile`."""
     upstream = EchoUpstream()
     config = Config()
     config.bind = [f"127.0.0.1:{port}"]
     config.accesslog = None
     config.errorlog = None
+    if certfile is not None and keyfile is not None:
+        config.certfile, config.keyfile = str(certfile), str(keyfile)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, upstream, config, shutdown_trigger=stop.wait))

@@ -19,6 +19,7 @@ from vacancyd.config import LimitsConfig, Target, is_loopback_host
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import Refuse
 from vacancyd.proxy.headers import response_headers
+from vacancyd.proxy.connect import upstream_ssl_context
 from vacancyd.proxy.pool import CONNECT_FAILURES, PooledAnswer, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ def open_upstream_client(limits: LimitsConfig) -> httpx.AsyncClient:
     """One pooled client per daemon; callers own the per-request deadlines."""
     client = httpx.AsyncClient(
         trust_env=False,
+        verify=upstream_ssl_context(),  # as the relay and the tunnel verify
         follow_redirects=False,
         timeout=httpx.Timeout(
             connect=limits.upstream_connect_timeout_s, read=None, write=None, pool=None

@@ -12,8 +12,8 @@ httpx did it for the relay:
 * a connect deadline; no read or write deadline, because callers own those (the relay is
   cancelled when its borrower leaves or reclaim cuts the job);
 * the request target sent byte for byte as given, headers as given, a buffered body
-  framed by Content-Length; https through trio's SSLStream with httpx's default
-  verification (certifi);
+  framed by Content-Length; connections opened as the WebSocket tunnel opens them
+  (proxy/connect.py: the connect deadline, TLS for https);
 * the response parsed by h11, 1xx answers skipped; body pieces that arrived together are
   handed over as one, so a burst of events costs one write to the borrower, not one each;
 * a connection is given back for reuse only when it is clean: its answer was read to its
@@ -32,16 +32,14 @@ messages reach the log and /status.
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-import ssl
-
 import h11
-import httpx
 import trio
 
 from vacancyd.config import Target
 from vacancyd.errors import quiet_detail
+from vacancyd.proxy.connect import CONNECT_FAILURES, Connector, UpstreamError
+
+__all__ = ["CONNECT_FAILURES", "PooledAnswer", "UpstreamError", "UpstreamPool"]
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -54,19 +52,6 @@ MAX_HEAD_BYTES = 100 * 1024
 SEND_WITH_HEAD_BYTES = 65536
 
 
-class UpstreamError(Exception):
-    """A request to the upstream failed; the message starts with the failure's name.
-
-    `detail` is always words of vacancyd's or the operating system's, never bytes of a
-    request or an answer (see the module docstring)."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-
-
-# The failures that mean no connection was made at all (see `_connect`).
-CONNECT_FAILURES = frozenset({"ConnectError", "ConnectTimeout"})
 # What a broken answer is called; h11's own message would quote the bytes it choked on.
 BROKEN_ANSWER = "the upstream's answer is not valid HTTP/1.1"
 
@@ -199,13 +184,8 @@ class UpstreamPool:
     """Keep-alive connections to one upstream, and the requests made on them."""
 
     def __init__(self, target: Target, connect_timeout_s: float) -> None:
-        self._target = target
-        self._connect_timeout_s = connect_timeout_s
+        self._connector = Connector(target, connect_timeout_s)
         self._idle: list[_Connection] = []
-        self._ssl: ssl.SSLContext | None = None
-        if target.scheme == "https":
-            self._ssl = httpx.create_ssl_context(trust_env=False)  # as the httpx client had
-        self._family = _address_family(target.host)
 
     async def request(
         self, method: str, target: bytes, headers: Headers, body: bytes | None
@@ -283,55 +263,14 @@ class UpstreamPool:
         self._idle.append(connection)
 
     async def _connect(self) -> _Connection:
-        host, port = self._target.host, self._target.port
-        try:
-            with trio.fail_after(self._connect_timeout_s):
-                tcp = await self._open_tcp(host, port)
-                if self._ssl is None:
-                    return _Connection(tcp, tcp.socket)
-                tls = trio.SSLStream(tcp, self._ssl, server_hostname=host, https_compatible=True)
-                try:
-                    await tls.do_handshake()
-                except BaseException:
-                    tcp.socket.close()
-                    raise
-                return _Connection(tls, tcp.socket)
-        except trio.TooSlowError:
-            raise UpstreamError(
-                "ConnectTimeout", f"no connection within {self._connect_timeout_s:g}s"
-            ) from None
-        except (OSError, trio.BrokenResourceError) as exc:
-            raise UpstreamError("ConnectError", quiet_detail(exc)) from exc
-
-    async def _open_tcp(self, host: str, port: int) -> trio.SocketStream:
-        """A TCP connection; to an address (the usual target) a plain connect, which costs
-        half of trio's general one (no name lookup, no happy-eyeballs race): servers such
-        as llama-server close the connection after every streamed answer, so streamed
-        requests connect each time."""
-        if self._family is None:
-            return await trio.open_tcp_stream(host, port)
-        sock = trio.socket.socket(self._family, socket.SOCK_STREAM)
-        try:
-            await sock.connect((host, port))
-        except BaseException:
-            sock.close()
-            raise
-        return trio.SocketStream(sock)  # sets TCP_NODELAY, as open_tcp_stream does
+        stream, sock = await self._connector.open()
+        return _Connection(stream, sock)
 
     def close(self) -> None:
         """Close the idle connections (those in use close when their answers end)."""
         idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
-
-
-def _address_family(host: str) -> socket.AddressFamily | None:
-    """AF_INET or AF_INET6 for an IP address, None for a name (to be looked up)."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    return socket.AF_INET6 if address.version == 6 else socket.AF_INET
 
 
 def _clean(connection: _Connection) -> bool:

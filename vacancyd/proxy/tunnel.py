@@ -47,6 +47,7 @@ from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig
 from vacancyd.errors import quiet_detail
 from vacancyd.model import Refuse
+from vacancyd.proxy.connect import Connector, UpstreamError
 from vacancyd.proxy.cors import cors_response_headers
 from vacancyd.proxy.dialects import error_body
 from vacancyd.proxy.forward import Relay, rewrite_location
@@ -115,6 +116,7 @@ class WebSocketTunnels:
         self.refused_not_switched = 0
         self._cors_origins = frozenset(o.lower() for o in upstream.cors_allow_origins)
         self._retry_in_place = frozenset(upstream.retry_in_place)
+        self._connector = Connector(target, limits.upstream_connect_timeout_s)
 
     async def take_over(
         self,
@@ -201,46 +203,59 @@ class WebSocketTunnels:
         dialect: Dialect,
     ) -> None:
         try:
-            with trio.fail_after(self._limits.upstream_connect_timeout_s):
-                upstream = await trio.open_tcp_stream(self.target.host, self.target.port)
-        except (OSError, trio.TooSlowError) as exc:
-            note = (
-                "connect timed out"
-                if isinstance(exc, trio.TooSlowError)
-                else f"connect: {failure(exc)}"
-            )
-            log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, note)
-            self._reached(note)
+            upstream, _ = await self._connector.open()
+        except UpstreamError as exc:
+            log.warning("upstream %s unavailable for a WebSocket: %s", self.upstream.name, exc)
+            self._reached(str(exc))
+            # As on the HTTP path (proxy/exchange.py): nobody there to answer, so its work
+            # is refused, and the vacancy probe says so, until a health read is answered.
+            self._admission.note_not_answering(self.upstream.name, f"cannot be reached: {exc}")
             await _answer(
                 stream, dialect, 502, "upstream_unavailable", "the upstream did not answer"
             )
             return
-        async with upstream:
-            target = (self.target.base_path + path).encode("ascii")
-            if query:
-                target += b"?" + query
-            key = header_value(request.headers, b"sec-websocket-key") or b""
-            answer = await self._handshake(upstream, self._replayed(request, target), key)
-            self._reached(None if answer else "no valid answer to a WebSocket upgrade")
-            if answer is None:
-                await _answer(
-                    stream,
-                    dialect,
-                    502,
-                    "upstream_unavailable",
-                    "the upstream did not answer the upgrade",
-                )
-                return
-            if not answer.switched:
-                self.refused_not_switched += 1
-                origin = header_value(request.headers, b"origin")
-                relayed = relayed_refusal(answer, self.target, origin, self._cors_origins)
-                await _send_quietly(stream, relayed)
-                return
-            await _send_quietly(stream, answer.raw)
-            if rest:
-                await _send_quietly(upstream, rest)
-            await self._splice(stream, upstream)
+        try:
+            await self._through(stream, upstream, request, path, query, rest, dialect)
+        finally:
+            # At once, without a TLS goodbye a stalled upstream would never read.
+            await trio.aclose_forcefully(upstream)
+
+    async def _through(
+        self,
+        stream: trio.SocketStream,
+        upstream: trio.abc.Stream,
+        request: h11.Request,
+        path: str,
+        query: bytes,
+        rest: bytes,
+        dialect: Dialect,
+    ) -> None:
+        """The handshake on a connected upstream, then the tunnel or the relayed no."""
+        target = (self.target.base_path + path).encode("ascii")
+        if query:
+            target += b"?" + query
+        key = header_value(request.headers, b"sec-websocket-key") or b""
+        answer = await self._handshake(upstream, self._replayed(request, target), key)
+        self._reached(None if answer else "no valid answer to a WebSocket upgrade")
+        if answer is None:
+            await _answer(
+                stream,
+                dialect,
+                502,
+                "upstream_unavailable",
+                "the upstream did not answer the upgrade",
+            )
+            return
+        if not answer.switched:
+            self.refused_not_switched += 1
+            origin = header_value(request.headers, b"origin")
+            relayed = relayed_refusal(answer, self.target, origin, self._cors_origins)
+            await _send_quietly(stream, relayed)
+            return
+        await _send_quietly(stream, answer.raw)
+        if rest:
+            await _send_quietly(upstream, rest)
+        await self._splice(stream, upstream)
 
     def _reached(self, error: str | None) -> None:
         """Report one attempt to reach the upstream: answered (None), or how it failed."""
@@ -274,7 +289,7 @@ class WebSocketTunnels:
         return h11.Request(method=b"GET", target=target, headers=replayed)
 
     async def _handshake(
-        self, upstream: trio.SocketStream, request: h11.Request, key: bytes
+        self, upstream: trio.abc.Stream, request: h11.Request, key: bytes
     ) -> _Answer | None:
         """Send the handshake and read the upstream's answer, or None if it gave none in
         time or broke the protocol."""
@@ -288,7 +303,7 @@ class WebSocketTunnels:
                 while True:
                     event = connection.next_event()
                     if event is h11.NEED_DATA:
-                        data = await upstream.receive_some(COPY_CHUNK)
+                        data = bytes(await upstream.receive_some(COPY_CHUNK))
                         if len(received) + len(data) > MAX_RELAYED_ANSWER:
                             return None
                         received += data
@@ -322,14 +337,14 @@ class WebSocketTunnels:
             )
             return None
 
-    async def _splice(self, client: trio.SocketStream, upstream: trio.SocketStream) -> None:
+    async def _splice(self, client: trio.SocketStream, upstream: trio.abc.Stream) -> None:
         """Copy bytes both ways until either side closes or the tunnel goes idle."""
         idle_s = self._limits.websocket_idle_timeout_s
         stall_s = self._limits.write_stall_timeout_s
         async with trio.open_nursery() as nursery:
             idle = trio.CancelScope(deadline=trio.current_time() + idle_s)
 
-            async def pump(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+            async def pump(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     while True:
                         data = await source.receive_some(COPY_CHUNK)
@@ -358,14 +373,14 @@ class WebSocketTunnels:
 
 
 async def _read_refusal(
-    connection: h11.Connection, upstream: trio.SocketStream, response: h11.Response
+    connection: h11.Connection, upstream: trio.abc.Stream, response: h11.Response
 ) -> _Answer | None:
     """The rest of a non-101 answer, within MAX_RELAYED_ANSWER (the caller's deadline)."""
     body = b""
     while True:
         event = connection.next_event()
         if event is h11.NEED_DATA:
-            data = await upstream.receive_some(COPY_CHUNK)
+            data = bytes(await upstream.receive_some(COPY_CHUNK))
             connection.receive_data(data)
             continue
         if isinstance(event, h11.Data):
@@ -426,7 +441,7 @@ def failure(exc: BaseException) -> str:
     return name
 
 
-async def _send_quietly(stream: trio.SocketStream, data: bytes) -> None:
+async def _send_quietly(stream: trio.abc.Stream, data: bytes) -> None:
     with (
         trio.move_on_after(5),
         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
