@@ -3,16 +3,17 @@
 Blocking file I/O: the daemon calls `read_geometry` through `trio.to_thread.run_sync`
 under a deadline of its own; the CLI calls it directly.
 
-The format's constants come from the `gguf` package, which llama.cpp maintains: the magic
-number, the value-type codes, the default alignment and the (block size, bytes per block)
-of every tensor type. The walk over the header is ours, for two reasons measured on the
-Gemma 3 270M fixture: `gguf.GGUFReader` builds a numpy object for every element of every
-array, so the 262,144-entry token list took 12.7 s and about 700 MB of memory to read; and
-it trusts every length it reads. This walk keeps only scalars and short arrays (per-layer
-values), steps over long arrays by their lengths, and stops with a `GGUFError` naming the
-file and the problem at the first length that cannot fit: the header may not be larger
-than MAX_HEADER_BYTES, counts and strings are bounded, and a file shorter than its own
-tensor table says is refused. Tests compare what it reads with `gguf.GGUFReader`.
+The format's constants (the magic number, the value-type codes, the default alignment and
+the block sizes of every tensor type) are llama.cpp's, kept in gguf_format.py so that the
+daemon does not import the `gguf` package. The walk over the header is ours, for two
+reasons measured on the Gemma 3 270M fixture: `gguf.GGUFReader` builds a numpy object for
+every element of every array, so the 262,144-entry token list took 12.7 s and about
+700 MB of memory to read; and it trusts every length it reads. This walk keeps only
+scalars and short arrays (per-layer values), steps over long arrays by their lengths, and
+stops with a `GGUFError` naming the file and the problem at the first length that cannot
+fit: the header may not be larger than MAX_HEADER_BYTES, counts and strings are bounded,
+and a file shorter than its own tensor table says is refused. Tests compare what it reads
+with `gguf.GGUFReader`.
 
 A model split into several files (`<name>-00001-of-00003.gguf`, as llama.cpp writes and
 loads them) is read from its first file; the weights of all its parts are summed.
@@ -30,15 +31,14 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 import attrs
-from gguf.constants import (
-    GGML_QUANT_SIZES,
-    GGUF_DEFAULT_ALIGNMENT,
-    GGUF_MAGIC,
-    GGMLQuantizationType,
-    GGUFValueType,
-)
 
 from vacancyd.footprint.geometry import Geometry, geometry_from_gguf_fields
+from vacancyd.footprint.gguf_format import (
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    TENSOR_BLOCKS,
+    GGUFValueType,
+)
 
 MAX_HEADER_BYTES: Final = 128 * 1024 * 1024
 MAX_KV_COUNT: Final = 65_536
@@ -88,7 +88,7 @@ class SkippedArray:
 @attrs.frozen
 class GGUFHeader:
     """What a GGUF header says. `tensor_bytes` is None when a tensor type is unknown to
-    the installed `gguf` package; `weights_bytes` then falls back to the data section."""
+    here (gguf_format.py); `weights_bytes` then falls back to the data section."""
 
     path: Path
     version: int
@@ -284,8 +284,8 @@ class _Walk:
 
 
 def _tensor_bytes(type_code: int, elements: int) -> int | None:
-    try:
-        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_code)]
-    except (ValueError, KeyError):
+    known = TENSOR_BLOCKS.get(type_code)
+    if known is None:
         return None
+    block, block_bytes = known
     return -(-elements // block) * block_bytes

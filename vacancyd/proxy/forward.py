@@ -18,8 +18,8 @@ import trio
 from vacancyd.config import LimitsConfig, Target, is_loopback_host
 from vacancyd.errors import UpstreamUnavailable
 from vacancyd.model import Refuse
-from vacancyd.proxy.headers import response_headers
 from vacancyd.proxy.connect import upstream_ssl_context
+from vacancyd.proxy.headers import response_headers
 from vacancyd.proxy.pool import CONNECT_FAILURES, PooledAnswer, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
