@@ -96,10 +96,6 @@ def read_answer(status: int, body: bytes) -> tuple[bool, bool]:
     return True, document.get("resident") is True
 
 
-def says_vacancy(status: int, body: bytes) -> bool:
-    return read_answer(status, body)[0]
-
-
 class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is untyped here
     """LiteLLM calls `async_filter_deployments` on every routing decision; see the module."""
 
