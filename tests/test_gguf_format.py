@@ -29,7 +29,7 @@ def test_every_tensor_types_block_is_the_packages() -> None:
     theirs = {
         kind.value: tuple(sizes) for kind, sizes in gguf_constants.GGML_QUANT_SIZES.items()
     }
-    assert gguf_format.TENSOR_BLOCKS == theirs
+    assert theirs == gguf_format.TENSOR_BLOCKS
 
 
 def test_the_daemon_imports_no_numpy_and_no_gguf() -> None:

@@ -176,6 +176,25 @@ async def test_anything_but_vacancyds_yes_is_no_vacancy(answer: dict[str, Any]) 
         assert probe.asked == 1  # the no is cached like a yes: a hung lender costs one wait
 
 
+BUSY = b'{"vacancy": false, "error": {"type": "no_vacancy", "code": "resource_busy"}}'
+AWAY = b'{"vacancy": false, "error": {"type": "no_vacancy", "code": "owner_active"}}'
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "asked"), [(429, BUSY, 3), (503, BUSY, 3), (503, AWAY, 1)]
+)
+async def test_a_busy_no_is_kept_only_briefly(status: int, body: bytes, asked: int) -> None:
+    """A slot frees within seconds, so a busy lender is asked again after `busy_cache_s`
+    (0 here); an owner who is back keeps the no for the whole `cache_s`."""
+    async with scripted(status=status, body=body) as probe:
+        chooser = VacancyFilter(cache_s=600, busy_cache_s=0)
+        for _ in range(3):
+            assert await decide(chooser, [deployment("desk", probe.url), deployment("x")]) == [
+                ["x"]
+            ]
+        assert probe.asked == asked
+
+
 async def test_a_lender_that_is_not_there_is_no_vacancy() -> None:
     async with scripted() as probe:
         gone = probe.url
@@ -341,3 +360,5 @@ def test_bad_settings_are_refused() -> None:
         VacancyFilter(cache_s=-1)
     with pytest.raises(ValueError, match="probe_timeout_s"):
         VacancyFilter(probe_timeout_s=0)
+    with pytest.raises(ValueError, match="busy_cache_s"):
+        VacancyFilter(busy_cache_s=-1)

@@ -81,7 +81,7 @@ async def upstream_status(daemon: InProcessDaemon, name: str) -> dict[str, Any]:
 async def attempts(daemon: InProcessDaemon, name: str) -> int:
     """Work requests the upstream's proxy judged: admitted plus refused, any reason."""
     entry = await upstream_status(daemon, name)
-    return int(entry["admitted"]) + sum(entry["refused"].values())
+    return int(entry["admitted"]) + sum(int(n) for n in entry["refused"].values())
 
 
 async def in_thread(call: Callable[[], T]) -> T:

@@ -14,10 +14,12 @@ Among lenders with vacancy, those whose server already holds the model (the prob
 load the model are left out too (`prefer_resident`). A lender whose free memory cannot
 take the model's footprint says no vacancy for that model, so it is left out as well.
 
-A lender that refuses a request anyway (its last slot was taken between probe and
-request: `resource_busy`) costs the caller one retry elsewhere, not a bench: the failure
-drops that lender's cached answer, so LiteLLM's retry asks the probe again instead of
-picking it once more from a stale yes.
+Busy is not absent. A lender whose slots all serve borrowed work says so
+(`resource_busy`); that no is kept only `busy_cache_s` (0.25 s), since a slot frees within
+seconds, where any other answer is kept `cache_s`. A lender that refuses a request anyway
+(its last slot was taken between probe and request) costs the caller one retry
+elsewhere, not a bench: the failure drops that lender's cached answer, so LiteLLM's retry
+asks the probe again instead of picking it once more from a stale yes.
 
 Install it where the gateway runs: `pip install 'vacancyd[litellm]'` (the daemon itself
 never imports LiteLLM). Then name a probe on each lent deployment, and register the
@@ -39,8 +41,9 @@ callback:
 
 The probe is asked about the model the deployment sends (`litellm_params.model` less its
 provider prefix, or `model_info.vacancy_model`). The shared `vacancy_filter` reads its
-settings from VACANCYD_PROBE_CACHE_S, VACANCYD_PROBE_TIMEOUT_S (defaults 2 and 0.5
-seconds) and VACANCYD_PREFER_RESIDENT (default 1; 0 turns the preference off).
+settings from VACANCYD_PROBE_CACHE_S, VACANCYD_PROBE_TIMEOUT_S,
+VACANCYD_PROBE_BUSY_CACHE_S (defaults 2, 0.5 and 0.25 seconds) and
+VACANCYD_PREFER_RESIDENT (default 1; 0 turns the preference off).
 Deployments without a probe (a server nobody borrows) pass untouched. A probe that cannot
 be read, times out, or answers anything but vacancyd's own yes counts as no vacancy: a
 gateway must not send borrowed work to a machine it cannot ask. When every deployment of
@@ -64,6 +67,7 @@ import attrs
 import httpx
 from litellm.integrations.custom_logger import CustomLogger
 
+from vacancyd.refusals import BUSY_CODE
 from vacancyd.vacancy_probe import Probe, probe_of
 
 log = logging.getLogger(__name__)
@@ -79,33 +83,46 @@ class Answer:
     why: str  # for the log: what said no, or "vacancy"
     # The lender's server holds the model as loaded (the request loads nothing).
     resident: bool = False
+    # A no because every slot serves borrowed work (`resource_busy`): one frees within
+    # seconds, so the no is kept only `busy_cache_s`.
+    busy: bool = False
 
 
-def read_answer(status: int, body: bytes) -> tuple[bool, bool]:
-    """(vacancy, resident) from a probe's answer. vacancyd's yes is 200 with
+def read_answer(status: int, body: bytes) -> tuple[bool, bool, str | None]:
+    """(vacancy, resident, reason) from a probe's answer. vacancyd's yes is 200 with
     `"vacancy": true`; anything else (its 503 or 429, a 401 for a missing token, another
-    server's 200) is no."""
-    if status != 200:
-        return False, False
+    server's 200) is no, with vacancyd's reason code where it gave one."""
     try:
         document = json.loads(body)
     except ValueError:
-        return False, False
-    if not isinstance(document, dict) or document.get("vacancy") is not True:
-        return False, False
-    return True, document.get("resident") is True
+        return False, False, None
+    if not isinstance(document, dict):
+        return False, False, None
+    if status != 200 or document.get("vacancy") is not True:
+        error = document.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        return False, False, code if isinstance(code, str) else None
+    return True, document.get("resident") is True, None
 
 
 class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is untyped here
     """LiteLLM calls `async_filter_deployments` on every routing decision; see the module."""
 
     def __init__(
-        self, *, cache_s: float = 2.0, probe_timeout_s: float = 0.5, prefer_resident: bool = True
+        self,
+        *,
+        cache_s: float = 2.0,
+        probe_timeout_s: float = 0.5,
+        prefer_resident: bool = True,
+        busy_cache_s: float = 0.25,
     ) -> None:
-        if cache_s < 0 or probe_timeout_s <= 0:
-            raise ValueError("cache_s must be at least 0 and probe_timeout_s above 0")
+        if cache_s < 0 or busy_cache_s < 0 or probe_timeout_s <= 0:
+            raise ValueError(
+                "cache_s and busy_cache_s must be at least 0 and probe_timeout_s above 0"
+            )
         super().__init__()
         self.cache_s = cache_s
+        self.busy_cache_s = min(busy_cache_s, cache_s)
         self.probe_timeout_s = probe_timeout_s
         self.prefer_resident = prefer_resident
         self.probes_sent = 0
@@ -146,9 +163,10 @@ class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is u
             log.info("vacancyd: %s failed a request; asking its probe again", probe.url)
 
     async def answer(self, probe: Probe) -> Answer:
-        """The probe's answer, read at most `cache_s` ago."""
+        """The probe's answer, read at most `cache_s` ago (a busy no: `busy_cache_s`)."""
         cached = self._answers.get(probe)
-        if cached is not None and time.monotonic() - cached.read_at < self.cache_s:
+        keep_s = self.busy_cache_s if cached is not None and cached.busy else self.cache_s
+        if cached is not None and time.monotonic() - cached.read_at < keep_s:
             return cached
         key = (probe, id(asyncio.get_running_loop()))
         task = self._in_flight.get(key)
@@ -169,9 +187,10 @@ class VacancyFilter(CustomLogger):  # type: ignore[misc]  # LiteLLM's class is u
         except (httpx.HTTPError, OSError, TimeoutError) as exc:
             answer = Answer(False, time.monotonic(), f"probe unreadable ({type(exc).__name__})")
         else:
-            vacancy, resident = read_answer(status, body)
-            why = "vacancy" if vacancy else f"HTTP {status}"
-            answer = Answer(vacancy, time.monotonic(), why, resident)
+            vacancy, resident, reason = read_answer(status, body)
+            why = "vacancy" if vacancy else f"HTTP {status}" + (f" {reason}" if reason else "")
+            busy = reason == BUSY_CODE
+            answer = Answer(vacancy, time.monotonic(), why, resident, busy)
         previous = self._answers.get(probe)
         if previous is None or previous.vacancy != answer.vacancy:
             log.info(
@@ -226,4 +245,5 @@ vacancy_filter = VacancyFilter(
     cache_s=_setting("VACANCYD_PROBE_CACHE_S", 2.0),
     probe_timeout_s=_setting("VACANCYD_PROBE_TIMEOUT_S", 0.5),
     prefer_resident=_setting("VACANCYD_PREFER_RESIDENT", 1.0) != 0,
+    busy_cache_s=_setting("VACANCYD_PROBE_BUSY_CACHE_S", 0.25),
 )
