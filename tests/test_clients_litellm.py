@@ -147,9 +147,10 @@ async def test_a_stream_cut_by_the_owner_reaches_the_caller_as_an_error_naming_i
     continuation (1.110 added `enable_mid_stream_fallback_continuation`): a stream the
     owner's return cuts ends for the caller in an error that carries vacancyd's words,
     after the chunks already sent, and the fallback is not asked to continue it."""
-    assert "enable_mid_stream_fallback_continuation" not in inspect.signature(
-        litellm.Router.__init__
-    ).parameters, "this LiteLLM continues cut streams: test that instead (docs/gateways.md)"
+    assert (
+        "enable_mid_stream_fallback_continuation"
+        not in inspect.signature(litellm.Router.__init__).parameters
+    ), "this LiteLLM continues cut streams: test that instead (docs/gateways.md)"
     router = recipe(lender.proxy("lender"), llama_url)
     token = trio.lowlevel.current_trio_token()
 
