@@ -26,9 +26,7 @@ def test_the_magic_alignment_and_value_types_are_the_packages() -> None:
 
 
 def test_every_tensor_types_block_is_the_packages() -> None:
-    theirs = {
-        kind.value: tuple(sizes) for kind, sizes in gguf_constants.GGML_QUANT_SIZES.items()
-    }
+    theirs = {kind.value: tuple(sizes) for kind, sizes in gguf_constants.GGML_QUANT_SIZES.items()}
     assert theirs == gguf_format.TENSOR_BLOCKS
 
 
