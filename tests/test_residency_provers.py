@@ -158,3 +158,50 @@ async def test_comfyuis_allocator_memory_is_read_from_system_stats() -> None:
     assert not got.resident  # ComfyUI runs one prompt at a time: nothing to share
     assert got.reusable_mib == 6 * 1024
     assert got.source == "/system_stats"
+
+
+class CountingProver:
+    """A server whose state takes `read_s` to read (a busy llama-server's /slots)."""
+
+    source = "/state"
+
+    def __init__(self, read_s: float) -> None:
+        self.read_s = read_s
+        self.reads = 0
+
+    async def read(self, context: UpstreamContext) -> int:
+        self.reads += 1
+        await trio.sleep(self.read_s)
+        return self.reads
+
+    def judge(self, reading: int, request: WorkRequest, taken_at: float) -> Any:
+        from vacancyd.model import Residency
+
+        return Residency(True, taken_at, self.source, f"reading {reading}")
+
+    async def learn(self, context: UpstreamContext, request: WorkRequest) -> None:
+        return None
+
+
+async def test_concurrent_proofs_share_one_read(autojump_clock: trio.testing.MockClock) -> None:
+    """Eight probes at once find the reading stale: one read goes out, all eight are
+    judged on it; a caller that gives up mid-read leaves the next caller a read of its own,
+    not an unfinished one."""
+    prover = CountingProver(read_s=0.5)
+    watch = ResidencyWatch(prover, UpstreamContext(None, parse_target("http://x:1"), None))
+    request = WorkRequest("m", "/v1/chat/completions", {"model": "m"})
+    details: list[str] = []
+
+    async def prove() -> None:
+        details.append((await watch.prove(request, trio.current_time())).detail)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(8):
+            nursery.start_soon(prove)
+    assert prover.reads == 1 and details == ["reading 1"] * 8
+
+    await trio.sleep(10)  # the reading is now too old
+    with trio.move_on_after(0.1):
+        await watch.prove(request, trio.current_time())
+    assert prover.reads == 2
+    assert (await watch.prove(request, trio.current_time())).detail == "reading 3"

@@ -5,6 +5,12 @@ how to judge one request against that reading. `ResidencyWatch` keeps the last r
 one upstream and reads again when the reading is older than admission accepts or older
 than the last job end or yield it is told about, so back-to-back requests cost one read
 every few seconds rather than one each. A reading that fails is a proof of nothing.
+
+One read at a time: requests and vacancy probes that find the reading stale while a read
+is out wait for that read instead of sending their own. Eight probes at once used to send
+eight reads; llama-server gives each kept-alive connection one of its few HTTP threads,
+so the later reads waited out the deadline, and the slowest (failed) one overwrote the
+good reading its siblings had taken, so the probe said "not resident" for seconds.
 """
 
 from __future__ import annotations
@@ -62,13 +68,21 @@ class ResidencyWatch:
         self._reading: Any = None
         self._taken_at = float("-inf")
         self._error = ""
+        # Set when the read in flight ends (None: no read is out).
+        self._in_flight: trio.Event | None = None
 
     async def prove(self, request: WorkRequest, not_before: float) -> Residency:
         """Judge `request` on a reading taken no earlier than `not_before` and at most
-        PROOF_MAX_AGE_S ago, reading the server again if the last one does not qualify."""
-        now = trio.current_time()
-        if self._taken_at < not_before or now - self._taken_at > PROOF_MAX_AGE_S:
-            await self._read()
+        PROOF_MAX_AGE_S ago, reading the server again if the last one does not qualify
+        (or waiting for the read already out)."""
+        while not self._qualifies(not_before):
+            in_flight = self._in_flight
+            if in_flight is None:
+                await self._read()
+                break
+            # A read that started before `not_before` (or was abandoned) leaves the
+            # reading unqualified: the loop then sends one of its own.
+            await in_flight.wait()
         if self._error:
             return Residency(
                 False, self._taken_at, self._prover.source, f"cannot read: {self._error}"
@@ -92,18 +106,28 @@ class ResidencyWatch:
             except Exception as exc:
                 log_unexpected(log, f"learning from {self._prover.source}", exc)
 
+    def _qualifies(self, not_before: float) -> bool:
+        age = trio.current_time() - self._taken_at
+        return self._taken_at >= not_before and age <= PROOF_MAX_AGE_S
+
     async def _read(self) -> None:
-        """Read the server; any failure, planned for or not, is a proof of nothing."""
-        taken_at = trio.current_time()
-        self._error = ""
-        with trio.move_on_after(READ_DEADLINE_S) as timer:
-            try:
-                self._reading = await self._prover.read(self._context)
-            except UpstreamCallError as exc:
-                self._error = str(exc)
-            except Exception as exc:
-                log_unexpected(log, f"reading {self._prover.source}", exc)
-                self._error = f"the reading failed ({type(exc).__name__})"
-        if timer.cancelled_caught:
-            self._error = f"no answer within {READ_DEADLINE_S:g}s"
-        self._taken_at = taken_at
+        """Read the server, the only read out; any failure, planned for or not, is a
+        proof of nothing. A read its caller abandons changes nothing."""
+        done = self._in_flight = trio.Event()
+        try:
+            taken_at = trio.current_time()
+            reading, error = None, ""
+            with trio.move_on_after(READ_DEADLINE_S) as timer:
+                try:
+                    reading = await self._prover.read(self._context)
+                except UpstreamCallError as exc:
+                    error = str(exc)
+                except Exception as exc:
+                    log_unexpected(log, f"reading {self._prover.source}", exc)
+                    error = f"the reading failed ({type(exc).__name__})"
+            if timer.cancelled_caught:
+                error = f"no answer within {READ_DEADLINE_S:g}s"
+            self._reading, self._error, self._taken_at = reading, error, taken_at
+        finally:
+            self._in_flight = None
+            done.set()
