@@ -27,7 +27,13 @@ from typing import Any
 import pytest
 import trio
 
-from tests.support.clients import attempts, in_thread, lender_config, owner_returns
+from tests.support.clients import (
+    attempts,
+    close_litellm_clients,
+    in_thread,
+    lender_config,
+    owner_returns,
+)
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 
 litellm = pytest.importorskip("litellm")
@@ -77,16 +83,7 @@ def recipe(lender: str, always_on: str, **extra: Any) -> Any:
     )
 
 
-async def close_clients() -> None:
-    """Close the SDK clients LiteLLM cached, in the loop (or thread) that used them: left
-    open, their sockets would be reported as unclosed during some later test."""
-    cache = litellm.in_memory_llm_clients_cache
-    for client in list(cache.cache_dict.values()):
-        closing = getattr(client, "close", None)
-        done = closing() if callable(closing) else None
-        if inspect.isawaitable(done):
-            await done
-    cache.flush_cache()
+close_clients = close_litellm_clients
 
 
 def served_by(response: Any) -> str:

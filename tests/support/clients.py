@@ -87,3 +87,19 @@ async def attempts(daemon: InProcessDaemon, name: str) -> int:
 async def in_thread(call: Callable[[], T]) -> T:
     """Run a blocking client call off the trio loop that serves the daemon."""
     return await trio.to_thread.run_sync(call)
+
+
+async def close_litellm_clients() -> None:
+    """Close the SDK clients LiteLLM cached, in the loop (or thread) that used them: left
+    open, their sockets would be reported as unclosed during some later test."""
+    import inspect
+
+    import litellm
+
+    cache = litellm.in_memory_llm_clients_cache
+    for client in list(cache.cache_dict.values()):
+        closing = getattr(client, "close", None)
+        done = closing() if callable(closing) else None
+        if inspect.isawaitable(done):
+            await done
+    cache.flush_cache()

@@ -296,13 +296,15 @@ resource = "ram"
 
 
 @contextmanager
-def vacancyd_process(target: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """Start vacancyd in front of `target`; yield it and the proxy's base URL."""
+def running_vacancyd(config_text: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """vacancyd as an operator runs it, on `config_text` (its state directory is a
+    temporary one: "{state_dir}" in the text); yields the process and its API URL."""
     with tempfile.TemporaryDirectory(prefix="vacancyd-bench-") as scratch:
         config = Path(scratch) / "vacancyd.toml"
-        config.write_text(_config(target, Path(scratch) / "state"))
+        config.write_text(config_text.replace("{state_dir}", str(Path(scratch) / "state")))
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("VACANCYD_TOKEN", None)
+        for name in ("VACANCYD_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            env.pop(name, None)
         process = subprocess.Popen(
             [sys.executable, "-m", "vacancyd", "run", "--config", str(config)],
             stdout=subprocess.DEVNULL,
@@ -324,9 +326,7 @@ def vacancyd_process(target: str) -> Iterator[tuple[subprocess.Popen[bytes], str
                 line = lines.get(timeout=max(0.1, give_up - time.monotonic()))
                 if (found := READY.search(line + " ")) is not None:
                     api = found.group(1)
-            with urllib.request.urlopen(f"{api}/status", timeout=5) as answer:
-                status = json.load(answer)
-            yield process, status["upstreams"]["bench"]["bound"][0]
+            yield process, api
         except BaseException:
             # Whatever went wrong, the daemon's own account of it is the first thing to read.
             time.sleep(0.2)
@@ -340,6 +340,15 @@ def vacancyd_process(target: str) -> Iterator[tuple[subprocess.Popen[bytes], str
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@contextmanager
+def vacancyd_process(target: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Start vacancyd in front of `target`; yield it and the proxy's base URL."""
+    with running_vacancyd(_config(target, Path("{state_dir}"))) as (process, api):
+        with urllib.request.urlopen(f"{api}/status", timeout=5) as answer:
+            status = json.load(answer)
+        yield process, status["upstreams"]["bench"]["bound"][0]
 
 
 def pin(pid: int, cpu: int) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import sys
@@ -65,7 +64,7 @@ import attrs
 import httpx
 import trio
 
-from tests.support.clients import in_thread, lender_config, upstream_status
+from tests.support.clients import close_litellm_clients, in_thread, lender_config, upstream_status
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_http import serve_fake
 from tests.support.fake_ollama import FakeOllama, Model, Resident
@@ -136,17 +135,7 @@ async def until(what: str, check: Callable[[], Any], timeout_s: float = 15.0) ->
     raise RuntimeError(f"never saw {what}")
 
 
-async def close_clients() -> None:
-    """Close the SDK clients LiteLLM cached, in the loop that used them."""
-    import litellm
-
-    cache = litellm.in_memory_llm_clients_cache
-    for client in list(cache.cache_dict.values()):
-        closing = getattr(client, "close", None)
-        done = closing() if callable(closing) else None
-        if inspect.isawaitable(done):
-            await done
-    cache.flush_cache()
+close_clients = close_litellm_clients
 
 
 def route(

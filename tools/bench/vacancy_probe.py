@@ -50,11 +50,9 @@ import glob
 import json
 import math
 import os
-import queue
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -68,7 +66,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tools.bench.common import percentile, version
-from tools.bench.proxy_latency import READY, cpu_seconds, machine, pin, upstream_process
+from tools.bench.proxy_latency import cpu_seconds, machine, pin, running_vacancyd, upstream_process
 
 PROOF_MAX_AGE_S = 4.0  # vacancyd.admission.PROOF_MAX_AGE_S, restated for the report
 LLAMA_ALIAS = "gemma3-270m"  # the model name tests/support/llama.py serves under
@@ -222,46 +220,8 @@ kind = "memory"
 @contextmanager
 def vacancyd_process(targets: dict[str, tuple[str, str]]) -> Iterator[tuple[int, str]]:
     """vacancyd in front of `targets` (name: (adapter, URL)); yields its pid and API URL."""
-    with tempfile.TemporaryDirectory(prefix="vacancyd-bench-") as scratch:
-        config = Path(scratch) / "vacancyd.toml"
-        config.write_text(_config(targets, Path(scratch) / "state"))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for name in ("VACANCYD_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-            env.pop(name, None)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vacancyd", "run", "--config", str(config)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        lines: queue.Queue[str] = queue.Queue()
-
-        def pump() -> None:
-            assert process.stderr is not None
-            for raw in process.stderr:  # ends when the process does
-                lines.put(raw.decode("utf-8", "replace"))
-
-        threading.Thread(target=pump, daemon=True).start()
-        try:
-            api = ""
-            give_up = time.monotonic() + 30
-            while not api:
-                line = lines.get(timeout=max(0.1, give_up - time.monotonic()))
-                if (found := READY.search(line + " ")) is not None:
-                    api = found.group(1)
-            yield process.pid, api
-        except BaseException:
-            time.sleep(0.2)
-            tail = [lines.get_nowait() for _ in range(lines.qsize())][-20:]
-            print("vacancyd's last log lines:\n" + "".join(tail), file=sys.stderr)
-            raise
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with running_vacancyd(_config(targets, Path("{state_dir}"))) as (process, api):
+        yield process.pid, api
 
 
 def llama_available() -> bool:
