@@ -327,4 +327,4 @@ async def test_a_websocket_to_an_unreachable_upstream_is_recorded(tmp_path: Path
             with trio.fail_after(10):
                 assert (await stream.receive_some(4096)).startswith(b"HTTP/1.1 502")
         reach = (await status(daemon))["upstreams"]["echo"]["reachability"]
-    assert reach["ok"] is False and reach["last_error"].startswith("connect: ")
+    assert reach["ok"] is False and reach["last_error"].startswith("ConnectError: ")

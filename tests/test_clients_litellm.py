@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -235,6 +236,11 @@ async def test_with_the_vacancy_callback_a_paused_lender_gets_no_borrowed_reques
             },
         ],
     )
+    # A lender's first probe estimates the model's footprint and reads its residency,
+    # which on a loaded machine can outlast the 0.5 s probe timeout: ask it once first,
+    # as the fleet harness does, so the test is about routing, not a cold start.
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        assert (await http.get(probe.asks)).status_code == 200
     token = trio.lowlevel.current_trio_token()
 
     def on_trio(call: Any, *args: Any) -> Any:
