@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import trio
 
-from vacancyd import __version__
+from vacancyd import __version__, last_words
 from vacancyd.config import Config, Scope, load_config, parse_listen
 from vacancyd.errors import ConfigError, StartupError
 from vacancyd.footprint import command as footprint_command
@@ -298,10 +297,10 @@ def _run(args: argparse.Namespace) -> int:
         _print_problems(args.config or "<embedded default>", exc)
         return EXIT_CONFIG
     _configure_logging(config.server.log_level.value)
-    # A wedged daemon is killed by systemd's watchdog with SIGABRT: leave every thread's
-    # stack in the log, so the bug report shows where it was stuck.
-    faulthandler.enable(all_threads=True)
     log = logging.getLogger("vacancyd")
+    # A wedged daemon is killed by systemd's watchdog with SIGABRT: leave every thread's
+    # stack in the log, so the bug report shows where it was stuck (see last_words.py).
+    last_words.arm(log)
     log.info(
         "vacancyd %s starting with %s", __version__, args.config or "the embedded default config"
     )
