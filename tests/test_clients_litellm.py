@@ -84,9 +84,6 @@ def recipe(lender: str, always_on: str, **extra: Any) -> Any:
     )
 
 
-close_clients = close_litellm_clients
-
-
 def served_by(response: Any) -> str:
     base: str = response._hidden_params["api_base"]
     return base.rstrip("/").removesuffix("/v1")
@@ -135,7 +132,7 @@ async def test_a_paused_lender_fails_over_at_once_and_takes_traffic_back_after_r
     back_after = time.monotonic() - resumed
     assert where == lent, f"traffic not back on the lender {back_after:.1f}s after resume"
     assert back_after <= COOLDOWN_S + 5
-    await in_thread(lambda: asyncio.run(close_clients()))
+    await in_thread(lambda: asyncio.run(close_litellm_clients()))
 
 
 async def test_a_stream_cut_by_the_owner_reaches_the_caller_as_an_error_naming_it(
@@ -168,7 +165,7 @@ async def test_a_stream_cut_by_the_owner_reaches_the_caller_as_an_error_naming_i
         except Exception as exc:
             return chunks, exc
         finally:
-            await close_clients()
+            await close_litellm_clients()
         return chunks, None
 
     chunks, raised = await in_thread(lambda: asyncio.run(stream()))
@@ -268,7 +265,7 @@ async def test_with_the_vacancy_callback_a_paused_lender_gets_no_borrowed_reques
             seen["back"], seen["back_after"] = where, time.monotonic() - resumed
             return seen
         finally:
-            await close_clients()
+            await close_litellm_clients()
 
     try:
         seen = await in_thread(lambda: asyncio.run(scenario()))

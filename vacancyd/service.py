@@ -454,6 +454,7 @@ async def run_daemon(
                 limits,
                 credential,
                 reachability=published.reachability,
+                connector=app.connector,
             )
             guards[upstream.name] = ListenerGuard(
                 limits, takeover=tunnels.take_over, wants_takeover=is_websocket_request

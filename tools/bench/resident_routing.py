@@ -135,9 +135,6 @@ async def until(what: str, check: Callable[[], Any], timeout_s: float = 15.0) ->
     raise RuntimeError(f"never saw {what}")
 
 
-close_clients = close_litellm_clients
-
-
 def route(
     lenders: list[InProcessDaemon], chooser: Any, requests: int, callers: int, pace_s: float
 ) -> dict[str, Any]:
@@ -183,7 +180,7 @@ def route(
         try:
             await asyncio.gather(*(caller() for _ in range(callers)))
         finally:
-            await close_clients()
+            await close_litellm_clients()
 
     started = time.monotonic()
     try:

@@ -212,13 +212,11 @@ class Admission:
         return question, share
 
     def _gpu_free_mib(self, resources: tuple[str, ...]) -> dict[str, int]:
-        free = {}
-        for name in resources:
-            observation = self._state.observation(name)
-            gpu = self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
-            if gpu and observation is not None and observation.free_bytes is not None:
-                free[name] = observation.free_bytes // MIB
-        return free
+        return {
+            name: mib
+            for name, mib in self._free_mib(resources).items()
+            if mib is not None and self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
+        }
 
     async def measured_fall(self, reservation: Reservation, timeout_s: float) -> dict[str, int]:
         """How far each GPU's free memory fell across an exclusive job, once a reading

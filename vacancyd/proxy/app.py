@@ -34,6 +34,7 @@ from vacancyd.footprint.book import FootprintBook
 from vacancyd.json_input import JsonRejected, parse_json
 from vacancyd.model import MIB, Refuse, Residency
 from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, read_body
+from vacancyd.proxy.connect import Connector
 from vacancyd.proxy.cors import cross_origin_send, preflight_answer
 from vacancyd.proxy.exchange import UpstreamExchange
 from vacancyd.proxy.headers import header_value
@@ -80,7 +81,11 @@ class ProxyApp:
         self._limits = limits
         self._client = client
         # Borrowers' requests go through this lean pool; `client` makes vacancyd's own calls.
-        self._pool = UpstreamPool(self.target, limits.upstream_connect_timeout_s)
+        # One connector (and TLS context) for the relay and the WebSocket tunnel alike.
+        self.connector = Connector(self.target, limits.upstream_connect_timeout_s)
+        self._pool = UpstreamPool(
+            self.target, limits.upstream_connect_timeout_s, connector=self.connector
+        )
         self._credential = credential
         self._max_body = limits.max_request_body_mib * MIB
         self.budget = BodyBudget(limits.buffered_budget_mib * MIB)

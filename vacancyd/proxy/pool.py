@@ -183,8 +183,10 @@ class PooledAnswer:
 class UpstreamPool:
     """Keep-alive connections to one upstream, and the requests made on them."""
 
-    def __init__(self, target: Target, connect_timeout_s: float) -> None:
-        self._connector = Connector(target, connect_timeout_s)
+    def __init__(
+        self, target: Target, connect_timeout_s: float, connector: Connector | None = None
+    ) -> None:
+        self._connector = connector or Connector(target, connect_timeout_s)
         self._idle: list[_Connection] = []
 
     async def request(

@@ -102,6 +102,7 @@ class WebSocketTunnels:
         limits: LimitsConfig,
         credential: str | None,
         reachability: Reachability | None = None,
+        connector: Connector | None = None,
     ) -> None:
         self.upstream = upstream
         self.adapter = adapter
@@ -116,7 +117,8 @@ class WebSocketTunnels:
         self.refused_not_switched = 0
         self._cors_origins = frozenset(o.lower() for o in upstream.cors_allow_origins)
         self._retry_in_place = frozenset(upstream.retry_in_place)
-        self._connector = Connector(target, limits.upstream_connect_timeout_s)
+        # The proxy app's, where the service hands it over (one TLS context per upstream).
+        self._connector = connector or Connector(target, limits.upstream_connect_timeout_s)
 
     async def take_over(
         self,
