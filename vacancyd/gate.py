@@ -233,7 +233,9 @@ def heat_refusal(name: str, heat: HeatView | None) -> Refuse | None:
 def _check_model_capacity(resources: tuple[ResourceView, ...], need: ModelNeed) -> Refuse | None:
     """Step 6: the request's model must fit in what each budgeted resource has spare."""
     for resource in resources:
-        if resource.spare_mib is None or resource.name not in need.need_mib:
+        if resource.spare_mib is None or (
+            resource.name not in need.need_mib and resource.name not in need.spill_mib
+        ):
             continue
         charge = charged_mib(need, resource.name)
         if resource.spare_mib < charge:
@@ -253,9 +255,10 @@ def _check_model_capacity(resources: tuple[ResourceView, ...], need: ModelNeed) 
 def charged_mib(need: ModelNeed, resource: str) -> int:
     """The MiB a request is charged on one resource; residency, once proved, costs less."""
     full = need.need_mib.get(resource, 0)
+    spilled = need.spill_mib.get(resource, 0)
     if need.resident_credit:
-        return min(need.resident_min_free_mib, full)
-    return full
+        return min(need.resident_min_free_mib, full) + spilled
+    return full + spilled
 
 
 def _admit_detail(need: ModelNeed) -> str:

@@ -213,6 +213,9 @@ class ModelNeed:
 
     model: str | None
     need_mib: dict[str, int] = attrs.field(factory=dict)
+    # Host memory a model its server spilled to the CPU takes per request, charged even
+    # with residency credit (see admission/spills.py).
+    spill_mib: dict[str, int] = attrs.field(factory=dict)
     resident_credit: bool = False
     resident_min_free_mib: int = 0
     credit_detail: str = ""

@@ -38,6 +38,7 @@ import trio
 from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.admission import Ledger, Phase, Reservation
+from vacancyd.admission.memory_back import CONFIRM_POLL_S, CONFIRM_SHARE, wait_for_memory_back
 from vacancyd.config import UpstreamConfig, parse_target
 from vacancyd.edges import Edge, EdgeKind, Trigger
 from vacancyd.errors import log_unexpected
@@ -69,12 +70,8 @@ log = logging.getLogger(__name__)
 
 ACTION_DEADLINE_S = 10.0
 CONFIRM_DEADLINE_S = 10.0
-# An unload counts as confirmed once this share of what the upstream said it held is free.
-CONFIRM_SHARE = 0.8
 # How many more polls a submission cut before its answer is looked for in the queue.
 LATE_CANCEL_ATTEMPTS = 3
-# How often the GPU is re-read while waiting for an unload's memory to come back.
-CONFIRM_POLL_S = 0.1
 
 
 @attrs.define
@@ -420,8 +417,10 @@ class UpstreamReclaim:
         ]
         before = {name: self._free_bytes(name) for name in gpus}
         started = trio.current_time()
-        # Whatever the unload does, residency read before it proves nothing any more.
+        # Whatever the unload does, residency read before it proves nothing any more, and
+        # nothing a borrower loaded there is left for a hand-off to give away.
         self._ledger.note_yield(self._resources)
+        self._ledger.loads.forget(self.upstream.name)
         try:
             report = await actions.unload(self._context(), ours)
         finally:
@@ -460,25 +459,15 @@ class UpstreamReclaim:
     ) -> float | None:
         """When a reading taken after the request shows the memory back, or None."""
         wanted = int(expected * CONFIRM_SHARE) if expected else 64 * MIB
-        with trio.move_on_after(CONFIRM_DEADLINE_S):
-            while True:
-                # At a steady pace: each sample is itself a change, so asking on every
-                # change would read the GPU back to back on the owner's machine.
-                self._state.request_sample()
-                await trio.sleep(CONFIRM_POLL_S)
-                for name in gpus:
-                    observation = self._state.observation(name)
-                    base = before.get(name)
-                    if (
-                        observation is not None
-                        and observation.taken_at > asked_at
-                        and observation.free_bytes is not None
-                        and base is not None
-                        and observation.free_bytes - base >= wanted
-                    ):
-                        # When vacancyd saw it, never earlier than the reading it came from.
-                        return trio.current_time()
-        return None
+        return await wait_for_memory_back(
+            self._state,
+            gpus,
+            before,
+            wanted,
+            asked_at,
+            deadline_s=CONFIRM_DEADLINE_S,
+            poll_s=CONFIRM_POLL_S,
+        )
 
     def _hold_unproven(self, cancelled: list[Reservation], record: ReclaimRecord) -> None:
         """A cut connection is proof of nothing for servers that keep working detached."""

@@ -40,8 +40,9 @@ from typing import Any
 import attrs
 import trio
 
-from vacancyd.adapters import adapter_for
+from vacancyd.adapters import Adapter, adapter_for
 from vacancyd.admission import Admission, Ledger, Prove
+from vacancyd.admission.handoff import ServerTerms
 from vacancyd.api.app import create_api_app
 from vacancyd.api.status import status_document
 from vacancyd.auth import Authenticator, read_token_file
@@ -53,6 +54,7 @@ from vacancyd.collect.system import run_system_collector
 from vacancyd.config import (
     Config,
     PresenceBackend,
+    UpstreamConfig,
     parse_listen,
     parse_target,
     resolve_state_dir,
@@ -61,6 +63,7 @@ from vacancyd.controls import OwnerControls, agent_socket_path, answer_owner
 from vacancyd.decisions import DecisionLog
 from vacancyd.errors import StartupError
 from vacancyd.footprint.book import FootprintBook
+from vacancyd.handoff import HandOver
 from vacancyd.model import ResourceKind
 from vacancyd.operations import Operations
 from vacancyd.persist import StateFileProblems, ensure_private_dir, runtime_directory
@@ -77,6 +80,7 @@ from vacancyd.published import NOT_WATCHED, BoundListeners, PresenceSource, Publ
 from vacancyd.reachability import Reachability
 from vacancyd.reclaim import UpstreamReclaim
 from vacancyd.serving import ListenerGuard, serve_app
+from vacancyd.spills import SpillWatch
 from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -410,6 +414,8 @@ async def run_daemon(
         provers: dict[str, Callable[[str | None], Prove | None]] = {}
         # Learned and estimated footprints, shared by every proxy (read once, here).
         footprints = FootprintBook(state_dir, state_files)
+        # What each upstream's server can do in a hand-off between upstreams on one GPU.
+        handoff_servers: dict[str, tuple[UpstreamConfig, Adapter, str | None]] = {}
         for index, upstream in enumerate(config.upstream):
             adapter = adapter_for(upstream.adapter.value)
             can_unload[upstream.name] = adapter.actions is not None and upstream.yield_on_veto
@@ -436,6 +442,13 @@ async def run_daemon(
             )
             app.background = background
             provers[upstream.name] = app.probe_prover
+            handoff_servers[upstream.name] = (upstream, adapter, credential)
+            admission.handoffs.terms[upstream.name] = ServerTerms(
+                can_release=adapter.give_way.can_release,
+                cannot_release=adapter.give_way.cannot_release,
+                priority=adapter.give_way.priority,
+                working=adapter.give_way.working,
+            )
             # Reads the server only while it counts as not answering (missed a deadline).
             health = HealthWatch(
                 upstream.name, adapter, state, app.context(), published.reachability
@@ -445,6 +458,10 @@ async def run_daemon(
                 upstream, adapter, state, ledger, client, credential
             )
             await yielding.start(f"reclaim:{upstream.name}", reclaims[upstream.name].run)
+            if adapter.give_way.read_spills is not None:
+                # Sees models squeezed onto the CPU; unloads borrowed ones once they fit.
+                spills = SpillWatch(upstream, adapter, state, ledger, client, credential)
+                await yielding.start(f"spills:{upstream.name}", spills.run)
             tunnels = WebSocketTunnels(
                 upstream,
                 adapter,
@@ -474,6 +491,7 @@ async def run_daemon(
                     ),
                 ),
             )
+        admission.handoffs.carry_out = HandOver(state, ledger, client, handoff_servers)
         guards["api"] = ListenerGuard(limits)
         api = create_api_app(
             state,

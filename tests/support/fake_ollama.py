@@ -82,6 +82,8 @@ class Resident:
     users: int = 0
     expires_at: float | None = None
     unloading: bool = False
+    # Bytes it got on the GPU: less than the model's size when it did not fit (a spill).
+    size_vram: int = 0
 
 
 @attrs.define(eq=False)
@@ -103,6 +105,9 @@ class FakeOllama:
     ps_reply: bytes | None = None
     hang: set[str] = attrs.Factory(set)
     changes: Changes = attrs.Factory(Changes)
+    # Free GPU bytes at load time, where the fake shares a stand-in GPU: a model that does
+    # not fit is placed partly on the CPU, as Ollama does (size_vram < size in /api/ps).
+    gpu_free: Callable[[], int] | None = None
     # Each stream's chunks, counted as sent, so a test can see where a held stream stands.
     chunks_sent: int = 0
     _released: trio.Event | None = None
@@ -203,7 +208,7 @@ class FakeOllama:
                         "digest": model.digest,
                         "details": model.details(),
                         "expires_at": self.wall_time(expires),
-                        "size_vram": model.size if model.size_vram is None else model.size_vram,
+                        "size_vram": resident.size_vram,
                         "context_length": model.context_length,
                     },
                 )
@@ -356,13 +361,20 @@ class FakeOllama:
         if resident is None:
             if self.load_delay_s:
                 await trio.sleep(self.load_delay_s)
-            resident = Resident(model, keep_alive_s)
+            resident = Resident(model, keep_alive_s, size_vram=self._placement(model))
             self.resident[model.name] = resident
             self.changes.note()
         resident.keep_alive_s = keep_alive_s
         resident.users += 1
         resident.expires_at = None
         return resident
+
+    def _placement(self, model: Model) -> int:
+        """The model's bytes on the GPU: as configured, or what fits when the GPU is shared."""
+        wanted = model.size if model.size_vram is None else model.size_vram
+        if self.gpu_free is None:
+            return wanted
+        return max(0, min(wanted, self.gpu_free()))
 
     def _done_with(self, resident: Resident) -> None:
         resident.users -= 1

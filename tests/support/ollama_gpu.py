@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from tests.support.fake_nvml import FakeGpu, FakeNvml, NvmlState, fake_nvml_library
-from tests.support.fake_ollama import FakeOllama, Model
+from tests.support.fake_ollama import FakeOllama
 
 GPU_UUID = "GPU-5b1f0c2e-7a3d-4e8f-9c6b-2d1e0f3a4b5c"
 
@@ -82,7 +82,7 @@ class GpuMirror:
 
     @property
     def resident_vram(self) -> int:
-        return sum(_vram(resident.model) for resident in self.ollama.resident.values())
+        return sum(resident.size_vram for resident in self.ollama.resident.values())
 
     @property
     def free_bytes(self) -> int:
@@ -96,10 +96,6 @@ class GpuMirror:
     def follow_unloads(self) -> None:
         """Rewrite the state each time the fake lets a model go."""
         self.ollama.on_unload.append(lambda _name: self.write())
-
-
-def _vram(model: Model) -> int:
-    return model.size if model.size_vram is None else model.size_vram
 
 
 async def load_models(ollama: FakeOllama, client: Any, *names: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from vacancyd.adapters.actions import ReclaimActions
+from vacancyd.adapters.give_way import CANNOT_GIVE_WAY, GiveWay
 from vacancyd.adapters.residency import ResidencyProver
 
 
@@ -156,6 +157,8 @@ class Adapter:
     # What vacancyd reads to tell that a server which missed a deadline answers again: a
     # cheap GET that touches no model (any HTTP answer, even an error status, counts).
     health_read: str = "/v1/models"
+    # How the server hands GPU memory to another upstream on the same GPU (give_way.py).
+    give_way: GiveWay = CANNOT_GIVE_WAY
 
     def dialect_for(self, found: Classification) -> Dialect:
         """The dialect of an answer to a classified request: its route's, else the

@@ -34,8 +34,9 @@ from vacancyd.adapters.base import (
     websockets,
     work,
 )
-from vacancyd.adapters.comfyui_actions import ComfyUIActions
+from vacancyd.adapters.comfyui_actions import ComfyUIActions, release_all_models
 from vacancyd.adapters.comfyui_residency import ComfyUIResidency
+from vacancyd.adapters.give_way import GiveWay
 
 
 def _both(*paths: str) -> tuple[str, ...]:
@@ -179,4 +180,9 @@ COMFYUI = Adapter(
     drop_request_headers=frozenset({b"origin", b"sec-fetch-site"}),
     dialect=NATIVE,
     residency=lambda _learned_in: ComfyUIResidency(),
+    give_way=GiveWay(
+        release=release_all_models,
+        working="the borrowed prompts vacancyd tracks, and any other prompt in its queue "
+        "(a running row believed only when ComfyUI's own memory corroborates it)",
+    ),
 )

@@ -357,3 +357,10 @@ class ComfyUIActions:
             return "unknown"
 
         return await within_deadline(ctx, lambda: read_job_state(ctx, job_id), unknown)
+
+
+async def release_all_models(ctx: UpstreamContext, names: tuple[str, ...]) -> UnloadReport:
+    """A hand-off's release: ComfyUI cannot free one model, so /free lets them all go, and,
+    with no job of vacancyd's running there, any prompt in its queue is someone else's work
+    and makes it skip (the stale-row rule of `unload` applies)."""
+    return await ComfyUIActions().unload(ctx, frozenset())

@@ -8,11 +8,15 @@ and counts as management too.
 from __future__ import annotations
 
 from vacancyd.adapters.base import Adapter, Dialect, RouteClass, reads, work
+from vacancyd.adapters.give_way import GiveWay
 from vacancyd.adapters.llamacpp_residency import LlamaCppResidency
 from vacancyd.adapters.openai import OPENAI_READS, OPENAI_WORK, refuse_background_response
 
 LLAMACPP = Adapter(
     health_read="/health",
+    give_way=GiveWay(
+        cannot_release="llama-server has no unload: its model stays until the server stops"
+    ),
     name="llamacpp",
     routes=(
         *OPENAI_WORK,

@@ -8,7 +8,8 @@ listed, so they fail closed.
 from __future__ import annotations
 
 from vacancyd.adapters.base import Adapter, Dialect, Route, RouteClass, reads, work
-from vacancyd.adapters.ollama_actions import OllamaActions
+from vacancyd.adapters.give_way import GiveWay
+from vacancyd.adapters.ollama_actions import OllamaActions, read_spills
 from vacancyd.adapters.ollama_residency import OllamaResidency
 from vacancyd.adapters.openai import refuse_background_response
 
@@ -35,4 +36,9 @@ OLLAMA = Adapter(
     refuse_body=refuse_background_response,
     actions=OllamaActions(),
     residency=OllamaResidency,
+    give_way=GiveWay(
+        release=OllamaActions().unload_models,
+        read_spills=read_spills,
+        working="the borrowed requests vacancyd relays to it (Ollama lists no running requests)",
+    ),
 )

@@ -25,12 +25,22 @@ from vacancyd.adapters.actions import (
     call,
     within_deadline,
 )
+from vacancyd.handoff_plan import Spill
+
+_MIB = 1024 * 1024
 
 
 @attrs.frozen
 class ResidentModel:
     name: str
     size_vram: int | None  # None when the row did not say
+    # The model's whole size in memory (GPU and host); None when the row did not say.
+    size: int | None = None
+
+    @property
+    def spilled(self) -> bool:
+        """Placed partly in host memory: Ollama found no room for all of it on the GPU."""
+        return self.size is not None and self.size_vram is not None and self.size_vram < self.size
 
 
 def parse_ps(document: Any) -> list[ResidentModel]:
@@ -53,10 +63,27 @@ def parse_ps(document: Any) -> list[ResidentModel]:
         name = (row.get("model") or row.get("name")) if isinstance(row, dict) else None
         if not isinstance(name, str) or not name:
             raise UpstreamCallError("GET /api/ps listed a model without a name")
-        size = row.get("size_vram")
-        usable = isinstance(size, int) and not isinstance(size, bool) and size >= 0
-        models.append(ResidentModel(name, size if usable else None))
+        models.append(
+            ResidentModel(name, _byte_count(row.get("size_vram")), _byte_count(row.get("size")))
+        )
     return models
+
+
+def _byte_count(value: Any) -> int | None:
+    usable = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if usable else None
+
+
+async def read_spills(ctx: UpstreamContext) -> tuple[Spill, ...]:
+    """The resident models Ollama placed partly in host memory, from /api/ps; raises
+    UpstreamCallError when the list cannot be read."""
+    models = parse_ps((await call(ctx, "GET", "/api/ps")).expect_ok().json())
+    now = trio.current_time()
+    return tuple(
+        Spill(model.name, model.size // _MIB, model.size_vram // _MIB, now)
+        for model in models
+        if model.spilled and model.size is not None and model.size_vram is not None
+    )
 
 
 @attrs.define
@@ -80,13 +107,27 @@ class OllamaActions:
         model whose unload is slow to be answered does not hold up the rest.
         """
         progress = _Progress()
-        return await within_deadline(ctx, lambda: self._unload(ctx, progress), progress.report)
+        return await within_deadline(
+            ctx, lambda: self._unload(ctx, progress, None), progress.report
+        )
 
-    async def _unload(self, ctx: UpstreamContext, progress: _Progress) -> UnloadReport:
+    async def unload_models(self, ctx: UpstreamContext, names: tuple[str, ...]) -> UnloadReport:
+        """Ask only the named models to unload (a hand-off: the rest stay), and only those
+        /api/ps still lists; the expected bytes are theirs alone."""
+        progress = _Progress()
+        return await within_deadline(
+            ctx, lambda: self._unload(ctx, progress, frozenset(names)), progress.report
+        )
+
+    async def _unload(
+        self, ctx: UpstreamContext, progress: _Progress, only: frozenset[str] | None
+    ) -> UnloadReport:
         try:
             models = parse_ps((await call(ctx, "GET", "/api/ps")).expect_ok().json())
         except UpstreamCallError as exc:
             return progress.report(str(exc))
+        if only is not None:
+            models = [model for model in models if model.name in only]
         sizes = [model.size_vram for model in models]
         progress.expected_free_bytes = (
             None if any(size is None for size in sizes) else sum(s for s in sizes if s is not None)

@@ -22,13 +22,16 @@ import attrs
 import trio
 
 from vacancyd.accounting import ANONYMOUS
+from vacancyd.admission.handoff import HandOffs
 from vacancyd.admission.ledger import Ledger
 from vacancyd.admission.reservation import RelayHandle, Reservation, Share
-from vacancyd.config import ResourceConfig, UpstreamConfig
+from vacancyd.config import ResourceConfig, SpilledModels, UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.gate import charged_mib, decide
+from vacancyd.handoff_plan import Spill
 from vacancyd.model import (
     MIB,
+    RETRY_INSUFFICIENT_CAPACITY,
     Admit,
     FootprintHint,
     GateInput,
@@ -116,6 +119,9 @@ class Admission:
         self._state = state
         self._ledger = ledger
         self._decisions = decisions
+        # Hand-offs between upstreams on one GPU; the service gives it a way to carry
+        # them out (without one, a refusal still says why memory was not handed over).
+        self.handoffs = HandOffs(state, ledger)
 
     async def admit(
         self,
@@ -129,18 +135,29 @@ class Admission:
     ) -> Reservation | Refuse:
         """Admit one request of `borrower` (its token's name, see accounting.py): a
         reservation, or the refusal, each recorded for the upstream and the borrower."""
-        resources = (upstream.resource, *upstream.also_requires)
+        spill = self._spill(upstream, model)
+        resources = self._resources(upstream, spill)
+        not_now = self.handoffs.giving_way_refusal(upstream) or _spill_refusal(upstream, spill)
+        if not_now is not None:
+            question = self._ask(upstream, resources, model, hint, None)[0]
+            return self._record(upstream, (question, not_now), borrower)
         tried = self._try(upstream, resources, model, job_ids, hint, None, borrower)
         if prove is None or not _credit_could_help(tried):
             if isinstance(tried[1], Refuse) and tried[1].reason is Reason.RESOURCE_BUSY:
                 # A just-released resource: give it a moment to be re-measured.
                 await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
                 tried = self._try(upstream, resources, model, job_ids, hint, None, borrower)
+            tried = await self._hand_off_if_it_helps(
+                upstream, resources, model, job_ids, hint, None, borrower, tried
+            )
             return self._record(upstream, tried, borrower)
         credit, residency = await self._judge(upstream, resources, prove)
         if not credit.applies:
             await self._ledger.wait_post_release_sample(resources, POST_RELEASE_WAIT_S)
         tried = self._try(upstream, resources, model, job_ids, hint, credit, borrower)
+        tried = await self._hand_off_if_it_helps(
+            upstream, resources, model, job_ids, hint, credit, borrower, tried
+        )
         outcome = tried[1]
         credited = isinstance(outcome, Reservation) and outcome.shared
         self._decisions.record_residency(upstream.name, residency, credited)
@@ -153,6 +170,53 @@ class Admission:
                 credit.detail,
             )
         return self._record(upstream, tried, borrower)
+
+    async def _hand_off_if_it_helps(
+        self,
+        upstream: UpstreamConfig,
+        resources: tuple[str, ...],
+        model: str | None,
+        job_ids: tuple[str, ...],
+        hint: FootprintHint | None,
+        credit: _Credit | None,
+        borrower: str,
+        tried: tuple[GateInput, Reservation | Refuse],
+    ) -> tuple[GateInput, Reservation | Refuse]:
+        """A GPU refused for want of memory that idle borrowed models of other upstreams
+        hold: hold the request while they give it back, then judge it again (handoff.py).
+        Any other outcome, and a refusal no hand-off could answer, is returned as it was,
+        the latter with why the memory was not handed over."""
+        handoffs = self.handoffs
+        question, outcome = tried
+        if not isinstance(outcome, Refuse):
+            return tried
+        needed = handoffs.needed(question, outcome)
+        if needed is None or not handoffs.is_gpu(needed.resource):
+            return tried
+        plan = handoffs.plan(upstream, needed)
+        if not (plan.enough and handoffs.may_ask(upstream)):
+            if plan.loads or plan.passed_over:
+                return question, handoffs.explained(outcome, plan, None)
+            return tried
+        async with handoffs.lock(needed.resource):
+            # Another request's hand-off may have freed enough while this one waited.
+            tried = self._try(upstream, resources, model, job_ids, hint, credit, borrower)
+            question, outcome = tried
+            if not isinstance(outcome, Refuse):
+                return tried
+            needed = handoffs.needed(question, outcome)
+            if needed is None:
+                return tried
+            plan = handoffs.plan(upstream, needed)
+            if not plan.enough:
+                return question, handoffs.explained(outcome, plan, None)
+            record = await handoffs.hand_over(upstream, needed.resource, plan)
+            self._decisions.record_handoff(record)
+            tried = self._try(upstream, resources, model, job_ids, hint, credit, borrower)
+        question, outcome = tried
+        if isinstance(outcome, Refuse):
+            return question, handoffs.explained(outcome, plan, record)
+        return tried
 
     def _try(
         self,
@@ -170,7 +234,7 @@ class Admission:
         if isinstance(decision, Refuse):
             return question, decision
         need = question.need
-        charges = {name: charged_mib(need, name) for name in need.need_mib}
+        charges = {name: charged_mib(need, name) for name in {**need.need_mib, **need.spill_mib}}
         outcome = self._ledger.try_reserve(
             upstream.name,
             resources,
@@ -195,6 +259,18 @@ class Admission:
         """The gate's question for one footprint, less what the credit gives back, and the
         share of the resident model's slots the request may take (None: it runs alone)."""
         need = need_for(upstream, self._state.resources, model, hint)
+        spill = self._spill(upstream, model)
+        if spill is not None:
+            # Requests to a model partly in host memory run partly on the CPU: what they
+            # take there is charged however resident the model is.
+            need = attrs.evolve(
+                need,
+                spill_mib={
+                    name: spill.spilled_mib
+                    for name in resources
+                    if self._state.resources[name].kind is ResourceKind.MEMORY
+                },
+            )
         if credit is not None:
             reduced = {
                 name: max(0, mib - credit.reusable_mib.get(name, 0))
@@ -210,6 +286,41 @@ class Admission:
         question = self._question(upstream, resources, need, sharing=sharing)
         share = Share(model, credit.slots) if credit is not None and sharing else None
         return question, share
+
+    def _spill(self, upstream: UpstreamConfig, model: str | None) -> Spill | None:
+        """The request's model, if its server has it partly in host memory now."""
+        return self._ledger.spills.get(upstream.name, model, trio.current_time())
+
+    def _resources(self, upstream: UpstreamConfig, spill: Spill | None) -> tuple[str, ...]:
+        """What the request needs: the upstream's resources and, for a spilled model, the
+        host's memory and CPU as well (each judged, and held while the request runs)."""
+        own = (upstream.resource, *upstream.also_requires)
+        if spill is None:
+            return own
+        host = tuple(
+            resource.name
+            for resource in self._state.config.resource
+            if resource.kind in (ResourceKind.MEMORY, ResourceKind.CPU) and resource.name not in own
+        )
+        return own + host
+
+    def note_loaded(self, reservation: Reservation, fell: dict[str, int]) -> None:
+        """An exclusive job's measured fall on each GPU: a load a borrower made, which a
+        hand-off may ask the server to let go once it sits idle (admission/handoff.py)."""
+        at = reservation.released_at
+        if at is None:
+            return
+        for resource, mib in fell.items():
+            if self._ledger.loads.loaded(
+                reservation.upstream, reservation.model, resource, mib, at
+            ):
+                log.info(
+                    "%s loaded %s for a borrower: %d MiB of %s",
+                    reservation.upstream,
+                    reservation.model or "a model",
+                    mib,
+                    resource,
+                )
 
     def _gpu_free_mib(self, resources: tuple[str, ...]) -> dict[str, int]:
         return {
@@ -419,7 +530,8 @@ class Admission:
         A resource waiting for its post-release sample is not refused here, because
         `admit` waits for that sample.
         """
-        resources = (upstream.resource, *upstream.also_requires)
+        spill = self._spill(upstream, model)
+        resources = self._resources(upstream, spill)
         credit: _Credit | None = None
         residency: Residency | None = None
         if prove is not None:
@@ -427,6 +539,7 @@ class Admission:
         question, share = self._ask(upstream, resources, model, hint, credit)
         decision = decide(question)
         refusal = decision if isinstance(decision, Refuse) else None
+        refusal = refusal or _spill_refusal(upstream, spill)
         refusal = refusal or self._ledger.busy_refusal(
             upstream.name, resources, share, model, count=False
         )
@@ -452,6 +565,20 @@ class Admission:
             reading = None if observation is None else observation.free_bytes
             free[name] = None if reading is None else reading // MIB
         return free
+
+
+def _spill_refusal(upstream: UpstreamConfig, spill: Spill | None) -> Refuse | None:
+    """`spilled_models = "refuse"`: the owner lends the GPU, not CPU inference."""
+    if spill is None or upstream.spilled_models is SpilledModels.CHARGE:
+        return None
+    return Refuse(
+        Reason.INSUFFICIENT_CAPACITY,
+        RETRY_INSUFFICIENT_CAPACITY,
+        f"{spill.model} runs partly on the CPU here ({spill.spilled_mib} of {spill.size_mib} "
+        "MiB in host memory), and this server does not lend a model that is not wholly on "
+        "the GPU",
+        resource=upstream.resource,
+    )
 
 
 def _credit_could_help(tried: tuple[GateInput, Reservation | Refuse]) -> bool:

@@ -38,6 +38,7 @@ import attrs
 import trio
 
 from vacancyd.accounting import ANONYMOUS, UNKNOWN, BorrowerAccounting
+from vacancyd.admission.borrowed_loads import BorrowedLoads
 from vacancyd.admission.holds import (
     HoldsFile,
     unreadable_refusal,
@@ -45,6 +46,7 @@ from vacancyd.admission.holds import (
 )
 from vacancyd.admission.phases import HOLDING, Event, Phase, next_phase
 from vacancyd.admission.reservation import RelayHandle, Reservation, Share
+from vacancyd.admission.spills import SpilledModels
 from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, Quality, Reason, Refuse
 from vacancyd.persist import StateFileProblem, StateFileProblems
 from vacancyd.state import SharedState
@@ -98,6 +100,10 @@ class Ledger:
         self._busy_refusals: Counter[str] = Counter()
         # Who held what and for how long, fed by the reservations made and freed here.
         self.accounting = BorrowerAccounting(t.name for t in state.config.auth.tokens)
+        # The models borrowers loaded, which a hand-off may ask their server to let go.
+        self.loads = BorrowedLoads()
+        # The models each server spilled to the CPU, as the spill watch last read them.
+        self.spills = SpilledModels()
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -294,9 +300,15 @@ class Ledger:
             self._released_at[name] = max(self._released_at.get(name, ended), ended)
             self._changed_at[name] = now
         self.accounting.freed(reservation.job_id, now)
+        self.loads.used(reservation.upstream, now)
         self._released_total += 1
         if reservation.answered_at is None:
             self._state.request_sample()
+
+    @property
+    def released_count(self) -> int:
+        """Jobs released since start: a change means some borrowed job just ended."""
+        return self._released_total
 
     def note_yield(self, resources: tuple[str, ...]) -> None:
         """An upstream was asked to give memory back: residency seen before is void."""

@@ -212,6 +212,15 @@ class VacancydCollector(Collector):
         for (scope, outcome), count in sorted(self._auth.counts.items()):
             auth.add_metric([scope, outcome], count)
         yield auth
+        handoffs = CounterMetricFamily(
+            "vacancyd_handoffs",
+            "Hand-offs between upstreams on one GPU made for a borrowed request, by the "
+            "upstream that asked and whether the memory was seen back in time",
+            labels=["upstream", "outcome"],
+        )
+        for (requester, outcome), count in sorted(self._decisions.handoff_counts.items()):
+            handoffs.add_metric([requester, outcome], count)
+        yield handoffs
 
     def _reclaim_families(self) -> list[Metric]:
         reclaims = CounterMetricFamily(

@@ -13,6 +13,7 @@ import trio
 
 import vacancyd
 from vacancyd.admission import Ledger, Reservation
+from vacancyd.api.handoff_status import recent_handoffs, upstream_handoff, upstream_spills
 from vacancyd.api.operator import OperatorTools, operator_status
 from vacancyd.api.owner import lending_hours_status, lending_status
 from vacancyd.api.usage import borrowers_status, reachability_status
@@ -123,6 +124,8 @@ def status_document(
                     published.reachability, u.name, now, state.not_answering.get(u.name)
                 ),
                 "reclaim": _reclaim(reclaims.get(u.name), now),
+                "handoff": upstream_handoff(u, ledger, decisions, now),
+                "spills": upstream_spills(u, ledger, now),
                 **_decisions(decisions, u.name, now),
             }
             for u in config.upstream
@@ -133,6 +136,7 @@ def status_document(
             "awaiting_sample": list(stats.awaiting_sample),
             "busy_refusals": stats.busy_refusals,
         },
+        "handoffs": recent_handoffs(decisions, now),
         "borrowers": borrowers_status(ledger.accounting, now),
         "api": {
             "bound": listeners.addresses("api"),

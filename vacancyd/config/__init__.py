@@ -18,6 +18,7 @@ from vacancyd.config.schema import (
     ResourceConfig,
     Scope,
     ServerConfig,
+    SpilledModels,
     TokenConfig,
     UpstreamConfig,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "ResourceConfig",
     "Scope",
     "ServerConfig",
+    "SpilledModels",
     "Target",
     "TokenConfig",
     "UpstreamConfig",

@@ -50,6 +50,13 @@ class OnOwnerReturn(enum.Enum):
     FINISH = "finish"
 
 
+class SpilledModels(enum.Enum):
+    """What a borrowed request to a model its server spilled to the CPU gets."""
+
+    CHARGE = "charge"  # admitted only if host memory and CPU can take it too
+    REFUSE = "refuse"  # refused: the owner does not lend CPU inference
+
+
 class Management(enum.Enum):
     DENY = "deny"
     ALLOW = "allow"
@@ -264,6 +271,17 @@ class UpstreamConfig:
     # Most borrowed requests served at once on a model the upstream proved resident. Unset:
     # what the server reports (llama.cpp's slots), else 1.
     max_concurrent: int | None = attrs.field(default=None, metadata=_ge(1))
+    # Hand-off between upstreams on one GPU (docs/configuration.md): how long this
+    # upstream's borrowed models must sit idle before another upstream's borrower may have
+    # their memory; how long this upstream's borrowers wait for another to give way (0:
+    # they never ask); and its priority (unset: the adapter's). A borrower may ask only
+    # upstreams whose priority is not above its own upstream's.
+    handoff_idle_s: float = attrs.field(default=60.0, metadata=_ge(0))
+    handoff_timeout_s: float = attrs.field(default=15.0, metadata=_ge(0))
+    handoff_priority: int | None = None
+    # A model the server placed partly in host memory (Ollama, when the GPU had no room):
+    # charge its requests on the host's memory and CPU resources as well, or refuse them.
+    spilled_models: SpilledModels = SpilledModels.CHARGE
 
 
 @attrs.frozen

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from vacancyd.adapters import Adapter, Classification, WorkFacts
-from vacancyd.adapters.actions import UpstreamContext
+from vacancyd.adapters.actions import ReclaimActions, UpstreamContext
 from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
 from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
@@ -263,20 +263,14 @@ class ProxyApp:
                 and actions is not None
                 and self.background is not None
             ):
-                # The upstream accepted a job it runs on its own: hold until it is done.
+                # The upstream accepted a job it runs on its own: hold until it is done,
+                # then learn what it loaded.
                 self._admission.track(outcome)
-                self.background.start_soon(
-                    track_job,
-                    self._admission,
-                    outcome,
-                    actions,
-                    self.context(),
-                    self.upstream.completion_timeout_s,
-                )
+                self.background.start_soon(self._track_then_learn, request, outcome, actions)
             else:
                 self._admission.release(outcome)
-            if status is not None and 200 <= status < 300 and not outcome.shared:
-                self._learn_after_load(request, outcome)
+                if status is not None and 200 <= status < 300 and not outcome.shared:
+                    self._learn_after_load(request, outcome)
 
     def probe_prover(self, model: str | None) -> Prove | None:
         """Residency proof for the vacancy probe's question: an OpenAI chat request for
@@ -293,6 +287,16 @@ class ProxyApp:
             return await watch.prove(request, not_before)
 
         return prove
+
+    async def _track_then_learn(
+        self, request: WorkRequest, job: Reservation, actions: ReclaimActions
+    ) -> None:
+        """A job the upstream runs on its own: what it loaded is known once it is done."""
+        await track_job(
+            self._admission, job, actions, self.context(), self.upstream.completion_timeout_s
+        )
+        if job.released_at is not None and not job.shared:
+            self._learn_after_load(request, job)
 
     def _learn_after_load(self, request: WorkRequest, job: Reservation) -> None:
         """A request that may have loaded its model was served: learn, in the background
@@ -312,6 +316,8 @@ class ProxyApp:
             fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
             for resource, mib in fell.items():
                 self.footprints.measure(self.upstream.name, job.model, resource, mib)
+            # What a borrower loaded is what a hand-off may later ask the server to let go.
+            self._admission.note_loaded(job, fell)
         except Exception as exc:
             log_unexpected(log, f"measuring the load of {job.model or 'a model'}", exc)
 

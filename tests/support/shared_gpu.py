@@ -1,0 +1,67 @@
+"""One stand-in GPU that the fake Ollama and the fake ComfyUI both load models onto.
+
+The GPU's used memory is a fixed base (the owner's, or a server that holds its model for
+good, such as llama-server) plus every model resident in the fake Ollama (`size_vram`)
+plus every checkpoint the fake ComfyUI holds. `follow` rewrites the stand-in NVML's state
+file whenever either fake changes, so vacancyd reads a load when the server really loads
+and memory back only when the server really lets a model go: the fake Ollama does that
+only after its unload delay, after acknowledging the unload, which is seed 002's lesson
+(an unload answers before the driver has freed the memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import trio
+
+from tests.support.fake_comfyui import FakeComfyUI
+from tests.support.fake_http import Changes
+from tests.support.fake_nvml import FakeGpu, FakeNvml, NvmlState
+from tests.support.fake_ollama import FakeOllama
+from tests.support.ollama_gpu import GPU_UUID
+
+
+@attrs.define
+class SharedGpu:
+    state: NvmlState
+    total_bytes: int
+    base_used: int
+    ollama: FakeOllama
+    comfyui: FakeComfyUI
+    world: FakeNvml = attrs.field(init=False)
+    written_used: int = -1
+
+    def __attrs_post_init__(self) -> None:
+        self.world = FakeNvml(
+            gpus=[FakeGpu(uuid=GPU_UUID, total_bytes=self.total_bytes, used_bytes=self.base_used)]
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        ollama = sum(resident.size_vram for resident in self.ollama.resident.values())
+        return self.base_used + ollama + sum(self.comfyui.loaded.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.used_bytes
+
+    def write(self) -> None:
+        used = self.used_bytes
+        self.world.gpus[0].used_bytes = used
+        self.state.write(self.world)
+        self.written_used = used
+
+    async def follow(self, nursery: trio.Nursery) -> None:
+        """Write now, then after every change of either fake that moves the used memory."""
+        self.write()
+        for changes in (self.ollama.changes, self.comfyui.changes):
+            nursery.start_soon(self._follow, changes)
+
+    async def _follow(self, changes: Changes) -> None:
+        while True:
+            await changes.wait_until(
+                lambda: self.used_bytes != self.written_used, timeout_s=math.inf
+            )
+            self.write()
