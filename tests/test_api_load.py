@@ -38,8 +38,11 @@ CLIENTS = 200
 # since the stopped daemon never empties the queue. So this only needs to be generous.
 CONNECT_S = 3.0
 ANSWER_S = 30.0
-# How long the owner's POST may take while the readers flood the API.
-PROMPT_S = 5.0
+# How long the owner's POST may take while the readers flood the API: a bound on being
+# answered at all (a starved owner would wait until ANSWER_S), not a performance figure.
+# The first POST meets the flood's 200 connections being accepted; under coverage, with
+# the daemon traced too, a 2-core machine took 5-8.5 s for it.
+PROMPT_S = 15.0
 
 
 @asynccontextmanager

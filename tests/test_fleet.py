@@ -80,7 +80,9 @@ async def test_three_lenders_and_one_that_is_down_in_one_table(
         assert "lender: no (lending_disabled)" in rows["desk-b"]
         assert re.search(r"lending_disabled \d+s ago$", rows["desk-b"])
         assert "lender: no (owner_active)" in rows["desk-c"]
-        assert "present (active)" in rows["desk-c"]
+        # Present while the veto holds; the state in brackets is the latest reading, which
+        # the headless backend may already have replaced with its own ("logged_out").
+        assert re.search(r"present \((active|logged_out)\)", rows["desk-c"])
         assert "DOWN: unreachable (ConnectError)" in rows["desk-d"]
 
         code, out, _ = await fleet("--file", str(fleet_file), "--json")

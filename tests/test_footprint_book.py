@@ -1,5 +1,6 @@
-"""Footprints in admission: configured, else learned, else estimated, else the default;
-estimates from the real llama-server's model file; loads measured across exclusive jobs."""
+"""Footprints in admission: configured, else learned, else estimated, with the default as
+a floor; estimates from the real llama-server's model file; loads measured across
+exclusive jobs."""
 
 from __future__ import annotations
 
@@ -52,6 +53,57 @@ def test_the_footprint_order(
     assert (got.need_mib, got.source) == (need, source)
 
 
+def with_default(default: dict[str, int]) -> UpstreamConfig:
+    """The upstream on gpu0 with ram as well, and this default."""
+    return attrs.evolve(LLAMA, resource="gpu0", also_requires=["ram"], default_need_mib=default)
+
+
+@pytest.mark.parametrize(
+    ("default", "hint", "need", "sources"),
+    [
+        # An explicit default is a floor: an estimate below it is charged the default ...
+        (
+            {"gpu0": 9000},
+            FootprintHint({"gpu0": 7000}, "estimated"),
+            {"gpu0": 9000},
+            {"gpu0": "default"},
+        ),
+        # ... one above it is charged in full.
+        (
+            {"gpu0": 5000},
+            FootprintHint({"gpu0": 7000}, "estimated"),
+            {"gpu0": 7000},
+            {"gpu0": "estimated"},
+        ),
+        # A resource the hint does not cover keeps the default (an estimate sizes the
+        # primary resource only; it never stops the others being charged).
+        (
+            {"gpu0": 5000, "ram": 2048},
+            FootprintHint({"gpu0": 7000}, "estimated"),
+            {"gpu0": 7000, "ram": 2048},
+            {"gpu0": "estimated", "ram": "default"},
+        ),
+        # Learned and estimated side by side, each per resource; no default: no floor.
+        (
+            {},
+            FootprintHint({"gpu0": 7000, "ram": 300}, "estimated", "", {"ram": "learned"}),
+            {"gpu0": 7000, "ram": 300},
+            {"gpu0": "estimated", "ram": "learned"},
+        ),
+        ({"gpu0": 5000}, None, {"gpu0": 5000}, {"gpu0": "default"}),
+    ],
+)
+def test_the_default_is_a_floor_under_what_was_found(
+    default: dict[str, int],
+    hint: FootprintHint | None,
+    need: dict[str, int],
+    sources: dict[str, str],
+) -> None:
+    got = need_for(with_default(default), RESOURCES, "other", hint)
+    assert (got.need_mib, got.sources) == (need, sources)
+    assert got.source == sources["gpu0"]  # the primary resource's
+
+
 def ready_state() -> SharedState:
     state = SharedState(CONFIG)
     now = trio.current_time()
@@ -70,6 +122,18 @@ async def test_a_refusal_says_which_footprint_it_charged() -> None:
     refused = await admission.admit(LLAMA, "other", hint=hint)
     assert isinstance(refused, Refuse) and refused.reason is Reason.INSUFFICIENT_CAPACITY
     assert "other needs 5000 MiB of ram (estimated footprint)" in refused.detail
+    assert refused.internal == "ram: estimated 5000 MiB; from its GGUF"
+
+
+async def test_a_refusal_under_the_defaults_floor_names_the_floor() -> None:
+    state = ready_state()
+    admission = Admission(state, Ledger(state), DecisionLog(["llama"]))
+    upstream = attrs.evolve(LLAMA, default_need_mib={"ram": 6000})
+    hint = FootprintHint({"ram": 700}, "estimated", "from its GGUF")
+    refused = await admission.admit(upstream, "other", hint=hint)
+    assert isinstance(refused, Refuse) and refused.reason is Reason.INSUFFICIENT_CAPACITY
+    assert "other needs 6000 MiB of ram (default footprint)" in refused.detail
+    assert "the default 6000 MiB, a floor above the estimated 700 MiB" in refused.for_operator
 
 
 def on_gpu() -> UpstreamConfig:

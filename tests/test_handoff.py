@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +27,20 @@ import pytest
 import trio
 
 import vacancyd.spills
-from tests.support.daemon import InProcessDaemon, in_process_daemon
+from tests.support.daemon import daemon_process, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
 from tests.support.fake_nvml import (
     GIB,
     FakeNvmlFixture,
+    NvmlState,
     fake_nvml_fixture,  # noqa: F401  (registers the fake_nvml fixture)
     fake_nvml_session_fixture,  # noqa: F401  (registers the fake_nvml_session fixture)
     install,
 )
 from tests.support.fake_ollama import Model
-from tests.support.ollama_gpu import DisconnectingOllama, load_models
-from tests.support.shared_gpu import SharedGpu
+from tests.support.ollama_gpu import DisconnectingOllama, fake_nvml_env, load_models
+from tests.support.shared_gpu import SharedGpu, two_servers_config
 
 install()
 
@@ -50,68 +52,27 @@ CHAT = Model("chat:latest", size=10 * GIB)
 # 8.6 GiB is spare, short of the 10 GiB a ComfyUI prompt needs.
 TOTAL, BASE = 24 * GIB, 3 * GIB
 OLLAMA_HEADROOM = 3 * GIB
-
-
-def config(
-    tmp_path: Path,
-    first_url: str,
-    comfy_url: str,
-    *,
-    idle_s: float = IDLE_S,
-    first: str = "ollama",
-    first_need_mib: int = 10240,
-    timeout_s: float = 5.0,
-    spilled_models: str = "charge",
-) -> str:
-    """The upstream that may give way (`first`: its name is its adapter's), then ComfyUI."""
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.2
-[owner]
-presence = "headless"
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-pressure = {{ enabled = false }}
-[[resource]]
-name = "ram"
-kind = "memory"
-[[resource]]
-name = "cpu"
-kind = "cpu"
-[[upstream]]
-name = "{first}"
-adapter = "{first}"
-listen = "127.0.0.1:0"
-target = "{first_url}"
-resource = "gpu0"
-default_need_mib = {{ gpu0 = {first_need_mib} }}
-handoff_idle_s = {idle_s}
-spilled_models = "{spilled_models}"
-[[upstream]]
-name = "comfy"
-adapter = "comfyui"
-listen = "127.0.0.1:0"
-target = "{comfy_url}"
-resource = "gpu0"
-default_need_mib = {{ gpu0 = 10240 }}
-handoff_timeout_s = {timeout_s}
-"""
+# How often /status is read again when vacancyd runs in its own process.
+CROSS_PROCESS_POLL_S = 0.05
 
 
 @attrs.frozen
 class Lab:
-    daemon: InProcessDaemon
+    api: str
+    proxies: dict[str, str]
+    # Returns after the daemon's state may have changed: its own change event in process,
+    # a short pause across processes.
+    changed: Callable[[], Awaitable[None]]
     ollama: DisconnectingOllama
     comfy: FakeComfyUI
     gpu: SharedGpu
     http: httpx.AsyncClient
 
+    def proxy(self, upstream: str) -> str:
+        return self.proxies[upstream]
+
     async def status(self) -> dict[str, Any]:
-        reply = await self.http.get(f"{self.daemon.api}/status")
+        reply = await self.http.get(f"{self.api}/status")
         assert reply.status_code == 200, reply.text
         document: dict[str, Any] = reply.json()
         return document
@@ -125,17 +86,15 @@ class Lab:
                 document = await self.status()
                 if predicate(document):
                     return document
-                await self.daemon.state.wait_changed()
+                await self.changed()
         raise AssertionError(f"/status never showed {what}:\n{json.dumps(document, indent=2)}")
 
     async def chat(self, **extra: Any) -> httpx.Response:
         body = {"model": CHAT.name, "prompt": "hi", "stream": False, **extra}
-        return await self.http.post(f"{self.daemon.proxy('ollama')}/api/generate", json=body)
+        return await self.http.post(f"{self.proxy('ollama')}/api/generate", json=body)
 
     async def prompt(self) -> httpx.Response:
-        return await self.http.post(
-            f"{self.daemon.proxy('comfy')}/prompt", json={"prompt": graph()}
-        )
+        return await self.http.post(f"{self.proxy('comfy')}/prompt", json={"prompt": graph()})
 
     async def borrower_loaded_chat(self) -> dict[str, Any]:
         """A borrower loads the chat model through vacancyd; /status once it is measured."""
@@ -155,8 +114,12 @@ async def lab(
     idle_s: float = IDLE_S,
     unload_delay_s: float = UNLOAD_DELAY_S,
     timeout_s: float = 5.0,
+    in_process: bool = True,
     **settings: Any,
 ) -> AsyncIterator[Lab]:
+    """The two fakes on one stand-in GPU, then vacancyd: in this process (its readings are
+    awaited on its own change event), or as `python -m vacancyd run` in its own process
+    with the stand-in as its libnvidia-ml (`in_process=False`)."""
     ollama_fake = DisconnectingOllama(models={CHAT.name: CHAT}, unload_delay_s=unload_delay_s)
     comfy_fake = FakeComfyUI(checkpoint_bytes=10 * GIB, vram_total=TOTAL)
     async with (
@@ -165,20 +128,42 @@ async def lab(
         httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as http,
         trio.open_nursery() as nursery,
     ):
-        gpu = SharedGpu(fake_nvml.state, TOTAL, BASE, ollama, comfy)
+        nvml = fake_nvml.state if in_process else NvmlState(tmp_path / "nvml-state")
+        gpu = SharedGpu(nvml, TOTAL, BASE, ollama, comfy)
         # Like Ollama, the fake places what does not fit in host memory, keeping headroom.
         ollama.gpu_free = lambda: gpu.free_bytes - OLLAMA_HEADROOM
         await gpu.follow(nursery)
-        text = config(
-            tmp_path, ollama.url, comfy.url, idle_s=idle_s, timeout_s=timeout_s, **settings
+        text = two_servers_config(
+            tmp_path / "state",
+            ollama.url,
+            comfy.url,
+            idle_s=idle_s,
+            timeout_s=timeout_s,
+            **settings,
         )
-        async with in_process_daemon(text) as d:
-            the_lab = Lab(d, ollama, comfy, gpu, http)
+        async with _vacancyd(text, tmp_path, nvml, in_process) as (api, proxies, changed):
+            the_lab = Lab(api, proxies, changed, ollama, comfy, gpu, http)
             await the_lab.status_until(
                 lambda doc: doc["resources"]["gpu0"]["quality"] == "ready", "the GPU measured"
             )
             yield the_lab
         nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _vacancyd(
+    text: str, tmp_path: Path, nvml: NvmlState, in_process: bool
+) -> AsyncIterator[tuple[str, dict[str, str], Callable[[], Awaitable[None]]]]:
+    if in_process:
+        async with in_process_daemon(text) as daemon:
+            proxies = {name: daemon.proxy(name) for name in ("ollama", "comfy")}
+            yield daemon.api, proxies, daemon.state.wait_changed
+        return
+    config_path = tmp_path / "vacancyd.toml"
+    config_path.write_text(text)
+    env = fake_nvml_env(nvml.path, tmp_path / "nvml-calls.log")
+    async with daemon_process(config_path, env=env) as daemon:
+        yield daemon.api, dict(daemon.proxies), partial(trio.sleep, CROSS_PROCESS_POLL_S)
 
 
 def refusal_of(reply: httpx.Response) -> dict[str, Any]:
@@ -187,10 +172,11 @@ def refusal_of(reply: httpx.Response) -> dict[str, Any]:
     return error
 
 
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "own-process"])
 async def test_an_idle_borrowed_ollama_model_gives_way_to_a_comfyui_borrower(
-    fake_nvml: FakeNvmlFixture, tmp_path: Path
+    fake_nvml: FakeNvmlFixture, tmp_path: Path, in_process: bool
 ) -> None:
-    async with lab(fake_nvml, tmp_path) as the:
+    async with lab(fake_nvml, tmp_path, in_process=in_process) as the:
         document = await the.borrower_loaded_chat()
         [load] = document["upstreams"]["ollama"]["handoff"]["borrowed_loads"]
         assert (load["model"], load["resource"]) == (CHAT.name, "gpu0")
@@ -226,7 +212,7 @@ async def test_an_idle_borrowed_ollama_model_gives_way_to_a_comfyui_borrower(
         assert comfy["handoff"]["last_for_this_upstream"] == handoff
         assert comfy["last_decision"]["admitted"]
         assert document["upstreams"]["ollama"]["handoff"]["borrowed_loads"] == []
-        metrics = (await the.http.get(f"{the.daemon.api}/metrics")).text
+        metrics = (await the.http.get(f"{the.api}/metrics")).text
         assert 'vacancyd_handoffs_total{outcome="confirmed",upstream="comfy"} 1.0' in metrics
 
 
@@ -248,7 +234,7 @@ async def test_a_hand_off_whose_memory_does_not_come_back_in_time_refuses_and_sa
         [handoff] = (await the.status())["handoffs"]
         assert handoff["outcome"] == "not confirmed" and handoff["came_back_mib"] == 0
         assert handoff["gave_way"] == ["ollama"]
-        metrics = (await the.http.get(f"{the.daemon.api}/metrics")).text
+        metrics = (await the.http.get(f"{the.api}/metrics")).text
         assert 'vacancyd_handoffs_total{outcome="not_confirmed",upstream="comfy"} 1.0' in metrics
         # Its own new work waited only while the hand-off ran.
         assert (await the.status())["upstreams"]["ollama"]["handoff"]["giving_way"] is False
@@ -262,9 +248,7 @@ async def test_a_model_with_a_running_job_is_never_evicted(
         the.ollama.hold_streams()
         body = {"model": CHAT.name, "prompt": "hi"}
         async with (
-            the.http.stream(
-                "POST", f"{the.daemon.proxy('ollama')}/api/generate", json=body
-            ) as stream,
+            the.http.stream("POST", f"{the.proxy('ollama')}/api/generate", json=body) as stream,
             aclosing(stream.aiter_raw()) as pieces,
         ):
             assert stream.status_code == 200
@@ -324,9 +308,17 @@ async def test_memory_llama_server_holds_cannot_be_handed_over_and_the_refusal_s
         # llama-server's model and KV cache, on the GPU for as long as it runs.
         gpu = SharedGpu(fake_nvml.state, TOTAL, BASE + 10 * GIB, ollama_fake, comfy)
         await gpu.follow(nursery)
-        text = config(tmp_path, llama_url, comfy.url, first="llamacpp", first_need_mib=512)
+        text = two_servers_config(
+            tmp_path / "state",
+            llama_url,
+            comfy.url,
+            idle_s=IDLE_S,
+            first="llamacpp",
+            first_need_mib=512,
+        )
         async with in_process_daemon(text) as daemon:
-            the = Lab(daemon, ollama_fake, comfy, gpu, http)
+            proxies = {name: daemon.proxy(name) for name in ("llamacpp", "comfy")}
+            the = Lab(daemon.api, proxies, daemon.state.wait_changed, ollama_fake, comfy, gpu, http)
             await the.status_until(
                 lambda doc: doc["resources"]["gpu0"]["quality"] == "ready", "the GPU measured"
             )

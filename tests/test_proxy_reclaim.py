@@ -136,12 +136,45 @@ async def test_a_stalled_borrower_cannot_delay_closing_the_upstream(
                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
             )
             with trio.fail_after(5):
-                while not await _active(daemon):
-                    await daemon.state.wait_changed()
+                # The answer has begun, so the upstream has the job (a cut before the relay
+                # begins never reaches it at all); then the borrower stops reading.
+                assert (await stream.receive_some(64)).startswith(b"HTTP/1.1 200")
+                assert await _active(daemon)
             returned = owner_returns(daemon)
             with trio.fail_after(5):  # far below the 30 s write-stall timeout
                 await echo.client_gone.wait()
             assert trio.current_time() - returned < 5.0
+
+
+async def test_a_job_cut_as_it_starts_is_never_sent_or_is_cut_at_the_upstream(
+    echo: EchoUpstream, tmp_path: Path
+) -> None:
+    """The owner returns the moment a job is admitted, while the proxy may still be
+    preparing it (reading the server's memory before a load): the job is then answered as
+    cut and never sent, or, if its relay had begun, cut at the upstream as well. Before,
+    a cut in that window found no relay to stop and the job went on to the upstream."""
+    async with in_process_daemon(config(echo, tmp_path, "cancel")) as daemon:
+        host, port = host_port(daemon.proxy("echo"))
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            body = b'{"echo_bytes": {"total": 268435456}}'
+            await stream.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            with trio.fail_after(5):
+                while not await _active(daemon):
+                    await daemon.state.wait_changed()
+            owner_returns(daemon)
+            with trio.fail_after(5):
+                head = await stream.receive_some(64)
+            if head.startswith(b"HTTP/1.1 503"):
+                assert b"/v1/completions" not in b"".join(seen.target for seen in echo.seen)
+            else:
+                assert head.startswith(b"HTTP/1.1 200"), head
+                with trio.fail_after(5):
+                    await echo.client_gone.wait()
 
 
 async def _active(daemon: InProcessDaemon) -> bool:

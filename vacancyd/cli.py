@@ -20,6 +20,7 @@ import httpx
 import trio
 
 from vacancyd import __version__, last_words
+from vacancyd.collect.attribution import server_pids
 from vacancyd.config import Config, Scope, load_config, parse_listen
 from vacancyd.errors import ConfigError, StartupError
 from vacancyd.footprint import command as footprint_command
@@ -332,7 +333,8 @@ def _print_problems(source: str, exc: ConfigError) -> None:
 
 
 def _footprint(args: argparse.Namespace) -> int:
-    return footprint_command.run(args)
+    # Ollama's settings are read from its server's environment: found by its socket.
+    return footprint_command.run(args, find_server=server_pids)
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -241,13 +241,16 @@ def _check_model_capacity(resources: tuple[ResourceView, ...], need: ModelNeed) 
         if resource.spare_mib < charge:
             model = need.model or "the default model"
             credit = f"; {need.credit_detail}" if need.credit_detail else ""
-            source = f" ({need.source} footprint)" if need.source else ""
+            named = need.sources.get(resource.name, need.source)
+            source = f" ({named} footprint)" if named else ""
             return Refuse(
                 Reason.INSUFFICIENT_CAPACITY,
                 RETRY_INSUFFICIENT_CAPACITY,
                 f"{model} needs {charge} MiB of {resource.name}{source}, "
                 f"{resource.spare_mib} MiB is spare{credit}",
                 resource=resource.name,
+                # How the footprint was found (an estimate's parts, a default's floor).
+                internal=need.detail,
             )
     return None
 

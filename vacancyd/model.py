@@ -219,8 +219,13 @@ class ModelNeed:
     resident_credit: bool = False
     resident_min_free_mib: int = 0
     credit_detail: str = ""
-    # Where need_mib came from: "configured", "learned", "estimated" or "default".
+    # Where need_mib came from: "configured", "learned", "estimated" or "default"; per
+    # resource in `sources`, and `source` is the upstream's primary resource's (see
+    # admission/need.py for the order and the default's floor).
     source: str = ""
+    sources: dict[str, str] = attrs.field(factory=dict)
+    # How the footprint was found, for the operator (a refusal's internal detail).
+    detail: str = ""
 
 
 @attrs.frozen
@@ -248,11 +253,16 @@ class Residency:
 @attrs.frozen
 class FootprintHint:
     """A model's footprint that is not configured: learned from measured loads, or
-    estimated from its geometry. `source` says which, `detail` how it was found."""
+    estimated from its geometry. `source` says which, `detail` how it was found;
+    `sources` names it per resource where the resources differ."""
 
     need_mib: dict[str, int]
     source: str  # "learned" or "estimated"
     detail: str = ""
+    sources: dict[str, str] = attrs.field(factory=dict)
+
+    def source_of(self, resource: str) -> str:
+        return self.sources.get(resource, self.source)
 
 
 @attrs.frozen

@@ -46,6 +46,7 @@ from vacancyd.admission.handoff import ServerTerms
 from vacancyd.api.app import create_api_app
 from vacancyd.api.status import status_document
 from vacancyd.auth import Authenticator, read_token_file
+from vacancyd.collect.attribution import server_pids
 from vacancyd.collect.calibration_store import CalibrationStore
 from vacancyd.collect.listeners import SCAN_EVERY_S, ListenerWatch
 from vacancyd.collect.nvml import NvmlCollector
@@ -413,7 +414,9 @@ async def run_daemon(
         # How the vacancy probe proves residency, per upstream (the proxies' own watches).
         provers: dict[str, Callable[[str | None], Prove | None]] = {}
         # Learned and estimated footprints, shared by every proxy (read once, here).
-        footprints = FootprintBook(state_dir, state_files)
+        footprints = FootprintBook(
+            state_dir, state_files, resources=config.resource, find_server=server_pids
+        )
         # What each upstream's server can do in a hand-off between upstreams on one GPU.
         handoff_servers: dict[str, tuple[UpstreamConfig, Adapter, str | None]] = {}
         for index, upstream in enumerate(config.upstream):
@@ -428,6 +431,7 @@ async def run_daemon(
                 if upstream.credential_file
                 else None
             )
+            footprints.use_credential(upstream.name, credential)
             app = ProxyApp(
                 upstream,
                 adapter,

@@ -134,16 +134,18 @@ async def daemon_process(
     env: Mapping[str, str] | None = None,
     read_token: str | None = None,
     preexec_fn: Callable[[], object] | None = None,
+    python: str = sys.executable,
 ) -> AsyncIterator[DaemonProcess]:
     """Start `python -m vacancyd run --config FILE`; stop it with SIGTERM afterwards.
 
     `env` adds to (or overrides) the test's own environment, e.g. the bus address or the
     stand-in NVML library's directory. `read_token` is presented to read /status where
     loopback is not trusted. `preexec_fn` runs in the child before vacancyd starts (e.g. to
-    set a resource limit the daemon must meet from its first write).
+    set a resource limit the daemon must meet from its first write). `python` runs it
+    (a bench may give one whose environment has only vacancyd's own dependencies).
     """
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "vacancyd", "run", "--config", str(config_path)],
+        [python, "-m", "vacancyd", "run", "--config", str(config_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=daemon_env(env),

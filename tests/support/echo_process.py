@@ -12,6 +12,13 @@ picks, and prints one line, its URL. It stops on SIGTERM or SIGINT, or when its 
 input reaches end of file, so it does not outlive a parent that died without stopping it.
 
 From trio code, `echo_process()` starts it, reads the URL and stops it afterwards.
+
+    python -m tests.support.echo_process ollama RSS_MIB
+
+serves the fake Ollama (tests/support/fake_ollama.py) instead, with Llama 3.1 8B's
+geometry, whose load holds RSS_MIB of host memory in this process: a server whose
+settings (its environment) and memory (its RSS) are its own, as a real Ollama's are.
+`echo_process(ollama_rss_mib=N, env={...})` starts that one.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -30,6 +37,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from tests.support.fake_ollama import FakeOllama, llama31_8b
 from tests.support.upstreams import EchoUpstream
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,19 +71,28 @@ async def _stop_when_told(stop: trio.Event) -> None:
     stop.set()
 
 
-async def serve_echo_until_stopped() -> None:
+async def serve_echo_until_stopped(arguments: list[str]) -> None:
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
     config.errorlog = None
     config.graceful_timeout = 1.0
-    upstream = EchoUpstream()
+    upstream: EchoUpstream | FakeOllama = EchoUpstream()
+    if arguments[:1] == ["ollama"]:
+        model = llama31_8b(rss_bytes=int(arguments[1]) * 1024 * 1024)
+        upstream = FakeOllama(models={model.name: model})
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_when_told, stop)
+        if isinstance(upstream, FakeOllama):
+            await upstream.run_background(nursery)
         binds = await nursery.start(partial(serve, upstream, config, shutdown_trigger=stop.wait))
         upstream.url = binds[0]
         print(upstream.url, flush=True)
+        if isinstance(upstream, FakeOllama):
+            # Its models' expiry timers would keep the nursery open past the stop.
+            await stop.wait()
+            nursery.cancel_scope.cancel()
 
 
 # -- the parent's side -----------------------------------------------------------------------
@@ -88,13 +105,18 @@ class EchoProcess:
 
 
 @asynccontextmanager
-async def echo_process() -> AsyncIterator[EchoProcess]:
-    """Start the echo upstream in its own process; stop it (bounded) afterwards."""
+async def echo_process(
+    *, ollama_rss_mib: int | None = None, env: Mapping[str, str] | None = None
+) -> AsyncIterator[EchoProcess]:
+    """Start the echo upstream (or, with `ollama_rss_mib`, the fake Ollama) in its own
+    process, with `env` added to its environment; stop it (bounded) afterwards."""
+    mode = [] if ollama_rss_mib is None else ["ollama", str(ollama_rss_mib)]
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "tests.support.echo_process"],
+        [sys.executable, "-m", "tests.support.echo_process", *mode],
         cwd=str(REPO),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
     )
     try:
         assert process.stdout is not None
@@ -124,4 +146,4 @@ async def echo_process() -> AsyncIterator[EchoProcess]:
 
 
 if __name__ == "__main__":
-    trio.run(serve_echo_until_stopped)
+    trio.run(serve_echo_until_stopped, sys.argv[1:])

@@ -57,10 +57,17 @@ class Model:
     context_length: int = 4096
     # Bytes on the GPU when loaded; None: all of it (`size`). Less than size is a CPU spill.
     size_vram: int | None = None
+    # /api/show's GGUF metadata and Modelfile parameters; None: a stub with no geometry.
+    model_info: dict[str, Any] | None = attrs.field(default=None, hash=False)
+    parameters: str = ""
+    # Host memory a load really takes in this process (written, so it is resident).
+    rss_bytes: int = 0
+    # A new revision of the same name (a pull or create) changes the digest.
+    revision: str = ""
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.name.encode()).hexdigest()
+        return hashlib.sha256((self.name + self.revision).encode()).hexdigest()
 
     def details(self) -> dict[str, Any]:
         return {
@@ -84,6 +91,8 @@ class Resident:
     unloading: bool = False
     # Bytes it got on the GPU: less than the model's size when it did not fit (a spill).
     size_vram: int = 0
+    # What the load holds in host memory while the model is resident (`Model.rss_bytes`).
+    memory: bytearray = attrs.Factory(bytearray)
 
 
 @attrs.define(eq=False)
@@ -226,12 +235,13 @@ class FakeOllama:
             200,
             {
                 "details": model.details(),
-                "model_info": {
+                "model_info": model.model_info
+                or {
                     "general.architecture": model.family,
                     f"{model.family}.context_length": model.context_length,
                 },
                 "capabilities": ["completion"],
-                "parameters": "",
+                "parameters": model.parameters,
                 "template": "{{ .Prompt }}",
             },
         )
@@ -361,7 +371,12 @@ class FakeOllama:
         if resident is None:
             if self.load_delay_s:
                 await trio.sleep(self.load_delay_s)
-            resident = Resident(model, keep_alive_s, size_vram=self._placement(model))
+            resident = Resident(
+                model,
+                keep_alive_s,
+                size_vram=self._placement(model),
+                memory=bytearray(b"\x01") * model.rss_bytes,
+            )
             self.resident[model.name] = resident
             self.changes.note()
         resident.keep_alive_s = keep_alive_s
@@ -484,3 +499,27 @@ def _final(model: str, created_at: str, chat: bool, reason: str, text: str) -> d
             }
         )
     return final
+
+
+def llama31_8b(**changes: Any) -> Model:
+    """Llama 3.1 8B at Q4_K_M as Ollama shows it: its real geometry in `model_info`
+    (32 layers, 8 KV heads of 128 + 128), its size on disk and its Modelfile num_ctx."""
+    info = {
+        "general.architecture": "llama",
+        "general.parameter_count": 8030261248,
+        "general.file_type": 15,
+        "llama.block_count": 32,
+        "llama.context_length": 131072,
+        "llama.embedding_length": 4096,
+        "llama.attention.head_count": 32,
+        "llama.attention.head_count_kv": 8,
+        "llama.vocab_size": 128256,
+    }
+    fields: dict[str, Any] = {
+        "name": "llama3.1:8b",
+        "size": 4_920_753_328,
+        "parameter_size": "8.0B",
+        "model_info": info,
+        "parameters": "num_ctx                        8192",
+    }
+    return Model(**{**fields, **changes})

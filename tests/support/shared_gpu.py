@@ -12,6 +12,7 @@ only after its unload delay, after acknowledging the unload, which is seed 002's
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import attrs
 import trio
@@ -65,3 +66,56 @@ class SharedGpu:
                 lambda: self.used_bytes != self.written_used, timeout_s=math.inf
             )
             self.write()
+
+
+def two_servers_config(
+    state_dir: Path,
+    first_url: str,
+    comfy_url: str,
+    *,
+    idle_s: float,
+    timeout_s: float = 5.0,
+    first: str = "ollama",
+    first_need_mib: int = 10240,
+    spilled_models: str = "charge",
+    poll_interval_s: float = 0.2,
+) -> str:
+    """vacancyd in front of two servers on the one GPU: the one that may give way (`first`,
+    named after its adapter) and ComfyUI, each charged 10 GiB of it by default; the host's
+    memory and CPU, for requests to a model spilled to the CPU; headless, pressure off."""
+    return f"""
+[server]
+api_listen = "127.0.0.1:0"
+state_dir = "{state_dir}"
+poll_interval_s = {poll_interval_s}
+[owner]
+presence = "headless"
+[[resource]]
+name = "gpu0"
+kind = "nvidia_gpu"
+device = 0
+pressure = {{ enabled = false }}
+[[resource]]
+name = "ram"
+kind = "memory"
+[[resource]]
+name = "cpu"
+kind = "cpu"
+[[upstream]]
+name = "{first}"
+adapter = "{first}"
+listen = "127.0.0.1:0"
+target = "{first_url}"
+resource = "gpu0"
+default_need_mib = {{ gpu0 = {first_need_mib} }}
+handoff_idle_s = {idle_s}
+spilled_models = "{spilled_models}"
+[[upstream]]
+name = "comfy"
+adapter = "comfyui"
+listen = "127.0.0.1:0"
+target = "{comfy_url}"
+resource = "gpu0"
+default_need_mib = {{ gpu0 = 10240 }}
+handoff_timeout_s = {timeout_s}
+"""

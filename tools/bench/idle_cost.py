@@ -140,7 +140,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "FAKE_NVML_STATE": str(nvml.path),
                 "FAKE_NVML_LOG": str(calls.path),
             }
-            async with daemon_process(config, env=env) as daemon:
+            async with daemon_process(config, env=env, python=args.daemon_python) as daemon:
                 process = psutil.Process(daemon.process.pid)
                 helpers = helper_processes(process.pid)
                 await trio.sleep(args.warmup)
@@ -187,6 +187,7 @@ def report(result: dict[str, Any], total_s: float) -> str:
         f"idle for {result['seconds']:.1f} s with default poll intervals "
         "(presence logind, one stand-in NVML GPU, one memory resource)"
         + ("" if result["pressure"] else "; GPU pressure switched OFF"),
+        f"vacancyd run by {result['daemon_python']}",
         "",
         f"vacancyd CPU:     {result['cpu_pct']:.2f} % of one CPU ({result['cpu_s']:.2f} s)",
         f"vacancyd RSS:     {result['rss_end_mib']:.1f} MiB at the end "
@@ -212,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="switch the GPU's attributed pressure off, to see what that loop costs",
     )
+    parser.add_argument(
+        "--daemon-python",
+        default=sys.executable,
+        metavar="PATH",
+        help="the interpreter that runs vacancyd: one whose environment has only vacancyd "
+        "and its runtime dependencies measures what an operator's install holds (the test "
+        "extra brings packages some libraries import when present, such as rich)",
+    )
     args = parser.parse_args(argv)
     if args.seconds < 1 or args.warmup < 0:
         parser.error("--seconds must be at least 1 and --warmup at least 0")
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     total_s = time.perf_counter() - started
     result["total_s"] = total_s
     result["load_at_start"] = load_at_start
+    result["daemon_python"] = args.daemon_python
     print(report(result, total_s))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

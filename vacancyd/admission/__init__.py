@@ -1,6 +1,7 @@
 """Admission: the gate's answer, the ledger's reservations, durable holds, residency credit.
 
 * gatekeeper.py: `Admission`, the one step from a request to a reservation or a refusal.
+* need.py: the footprint a request is charged (configured, found, the default's floor).
 * ledger.py: who uses each resource; one load at a time, parallel resident requests.
 * reservation.py: what an admitted job is (`Reservation`, `Share`, `RelayHandle`).
 * phases.py: a reservation's lifecycle as a transition table.
@@ -13,10 +14,10 @@ from vacancyd.admission.gatekeeper import (
     Admission,
     Prove,
     Vacancy,
-    need_for,
 )
 from vacancyd.admission.holds import HOLDS_KIND
 from vacancyd.admission.ledger import Ledger, LedgerStatistics
+from vacancyd.admission.need import need_for
 from vacancyd.admission.phases import HOLDING, Event, Phase
 from vacancyd.admission.reservation import RelayHandle, Reservation, Share
 

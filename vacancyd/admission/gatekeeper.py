@@ -24,8 +24,9 @@ import trio
 from vacancyd.accounting import ANONYMOUS
 from vacancyd.admission.handoff import HandOffs
 from vacancyd.admission.ledger import Ledger
+from vacancyd.admission.need import need_for
 from vacancyd.admission.reservation import RelayHandle, Reservation, Share
-from vacancyd.config import ResourceConfig, SpilledModels, UpstreamConfig
+from vacancyd.config import SpilledModels, UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.gate import charged_mib, decide
 from vacancyd.handoff_plan import Spill
@@ -53,34 +54,6 @@ PROOF_MAX_AGE_S = 4.0
 # Reads the upstream's residency for this request; the argument is the earliest time a
 # cached reading may have been taken (the caller re-reads if its cache is older).
 Prove = Callable[[float], Awaitable[Residency]]
-
-
-def need_for(
-    upstream: UpstreamConfig,
-    resources: dict[str, ResourceConfig],
-    model: str | None,
-    hint: FootprintHint | None = None,
-) -> ModelNeed:
-    """The request's footprint, the first of: the model's configured need; what was
-    learned from its measured loads or estimated from its geometry (`hint`); the
-    upstream's default."""
-    if model is not None and model in upstream.models:
-        table, source = upstream.models[model].need_mib, "configured"
-    elif hint is not None and hint.need_mib:
-        table, source = hint.need_mib, hint.source
-    else:
-        table, source = upstream.default_need_mib, "default"
-    budgeted = {
-        name: mib
-        for name, mib in table.items()
-        if name in resources and resources[name].kind.has_bytes
-    }
-    return ModelNeed(
-        model=model,
-        need_mib=budgeted,
-        resident_min_free_mib=upstream.resident_min_free_mib,
-        source=source,
-    )
 
 
 @attrs.frozen

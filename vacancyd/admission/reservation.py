@@ -61,6 +61,9 @@ class Reservation:
     # Free MiB of each GPU it holds, as last read before it was admitted (a load's
     # footprint is measured against it once the job is over).
     free_before_mib: dict[str, int] = attrs.Factory(dict)
+    # The RSS of the upstream's process tree, in MiB, read just before the job was sent
+    # (a load's footprint in host memory is measured against it once the job is over).
+    host_rss_before_mib: int | None = None
     released_at: float | None = None
     # When the upstream had sent its whole answer (see `Ledger.answered`).
     answered_at: float | None = None

@@ -106,6 +106,8 @@ def _description(found: Vacancy) -> dict[str, Any]:
         "residency": found.residency_detail or None,
         "need_mib": need.need_mib,
         "need_source": need.source,
+        # Per resource: a default's floor may charge one resource, an estimate another.
+        "need_sources": need.sources,
         # Less than need_mib where the model is resident (or its allocator memory reused).
         "charged_mib": {name: charged_mib(need, name) for name in need.need_mib},
         "resources": {

@@ -33,7 +33,7 @@ from typing import Final
 import attrs
 import psutil
 
-from vacancyd.config.addresses import Target, is_loopback_host
+from vacancyd.config.addresses import Target, is_loopback_host, parse_target
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,22 @@ def read_listen_sockets() -> list[ListenSocket]:
             continue
         result.append(ListenSocket(str(conn.laddr.ip), int(conn.laddr.port), conn.pid))
     return result
+
+
+def server_pids(target_url: str) -> set[int]:
+    """The pids listening where an upstream's target URL connects (blocking): empty for a
+    target that is not loopback, an unreadable socket table, or nothing listening. What
+    the footprints read a server's memory and settings from (footprint/processes.py)."""
+    try:
+        target = parse_target(target_url)
+    except ValueError:
+        return set()
+    if not_attributable_reason(target) is not None:
+        return set()
+    try:
+        return listener_pids(read_listen_sockets(), target)[0]
+    except (psutil.Error, OSError):
+        return set()
 
 
 def process_tree(pid: int) -> frozenset[ProcessIdentity]:

@@ -5,8 +5,11 @@ learn what real loads took.
 - `gguf_reader`: a bounded reader of GGUF headers (blocking; numpy through `gguf`, so it
   is not imported here);
 - `estimate`: weights, KV cache, recurrent state, overhead and margin, in MiB;
+- `served`: what a running server serves (geometry, context, KV cache type, identity),
+  read and sized the same way for admission and the CLI;
+- `processes`: the server's process tree: its RSS and its environment;
 - `learned`: measured footprints kept across restarts;
-- `reserve`: the emergency floor no borrowed load may eat into;
+- `book`: the daemon's learned-else-estimated footprints, and loads it measures;
 - `command`: the `vacancyd footprint` CLI.
 """
 

@@ -1,11 +1,12 @@
 """`vacancyd footprint`: a model's estimated memory, what was learned, and a config snippet.
 
 The geometry comes from a GGUF file (`--gguf`), or from the running server of an upstream
-(`--config FILE --upstream NAME --model M`): llama-server's `/props` names its model file,
-read here when it is on this machine; Ollama's `/api/show` carries the same metadata.
-The context is `--context`, else what the server runs: llama-server's per-slot context x
-its slots, Ollama's Modelfile `num_ctx` (or 4096) x `--parallel`. The output says which
-source each number came from, then prints a TOML snippet in the config's own schema
+(`--config FILE --upstream NAME --model M`), read exactly as admission reads it
+(served.py: the upstream's credential, the context, slots and KV cache type the server
+runs, the runtime base of the resource sized). Options override what the server says.
+The output says which source each number came from, what admission charges the model
+now (admission/need.py: configured, else learned or estimated, with `default_need_mib` as
+a floor), and a TOML snippet in the config's own schema
 (`[upstream.models."M"] need_mib = {...}`) that `vacancyd check-config` accepts.
 """
 
@@ -18,28 +19,40 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 
+from vacancyd.admission.need import need_for
 from vacancyd.config import Config, UpstreamConfig, load_config, resolve_state_dir
-from vacancyd.config.schema import AdapterName
 from vacancyd.errors import ConfigError, StartupError
+from vacancyd.footprint.book import hint_from
 from vacancyd.footprint.estimate import (
     CACHE_TYPE_BYTES,
     DEFAULT_MARGIN_PCT,
-    GPU_RUNTIME_MIB,
-    HOST_RUNTIME_MIB,
     FootprintEstimate,
-    estimate,
 )
-from vacancyd.footprint.geometry import Geometry, GeometryError
+from vacancyd.footprint.geometry import GeometryError
+from vacancyd.footprint.gguf_reader import GGUFError
 from vacancyd.footprint.learned import LearnedFootprints
-from vacancyd.model import ResourceKind
+from vacancyd.footprint.processes import FindServer
+from vacancyd.footprint.served import (
+    ASSUMED_CACHE_TYPE,
+    DEFAULT_CONTEXT,
+    Overrides,
+    Served,
+    Unsizable,
+    can_size,
+    describe,
+    read_gguf,
+    read_served,
+    size_served,
+    upstream_client,
+)
+from vacancyd.footprint.sources import SourceError
+from vacancyd.model import ModelNeed, ResourceKind
 from vacancyd.persist import StateFileProblems
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
-DEFAULT_CONTEXT = 4096
 HTTP_TIMEOUT_S = 30.0
 
 
@@ -59,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, metavar="N", help="tokens of KV cache in all")
     parser.add_argument("--parallel", type=int, metavar="N", help="slots sharing the context")
     parser.add_argument(
-        "--cache-type", default="f16", choices=sorted(CACHE_TYPE_BYTES), help="KV cache type"
+        "--cache-type",
+        choices=sorted(CACHE_TYPE_BYTES),
+        help="KV cache type (default: what the server says it runs, else f16)",
     )
     parser.add_argument(
         "--kv-unified", action="store_true", help="the server shares one KV cache among slots"
@@ -71,16 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @attrs.frozen
-class _Found:
-    geometry: Geometry
-    geometry_source: str
-    model: str
-    context: int
-    parallel: int
-    context_source: str
-
-
-@attrs.frozen
 class _Target:
     config: Config | None
     upstream: UpstreamConfig | None
@@ -88,37 +93,38 @@ class _Target:
     kind: ResourceKind
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the command; returns the exit status (2 for a config problem)."""
+def run(args: argparse.Namespace, find_server: FindServer | None = None) -> int:
+    """Run the command; returns the exit status (2 for a config problem). `find_server`
+    finds the processes listening for a target (the collectors' attribution): Ollama's
+    settings are read from its server's environment."""
     try:
         target = _target(args)
-        found = _find(args, target)
+        found = _find(args, target, find_server)
         if found.context < 1 or found.parallel < 1:
             raise _Failed("--context and --parallel must be at least 1")
-        on_gpu = target.kind is ResourceKind.NVIDIA_GPU
-        result = estimate(
-            found.geometry,
-            found.context,
-            found.parallel,
-            CACHE_TYPE_BYTES[args.cache_type],
-            args.margin_pct,
-            runtime_mib=GPU_RUNTIME_MIB if on_gpu else HOST_RUNTIME_MIB,
-            unified_kv=args.kv_unified,
-        )
+        result = size_served(found, target.kind, args.margin_pct)
     except ConfigError as exc:
         print(f"{args.config}: {len(exc.messages)} problem(s):", file=sys.stderr)
         for message in exc.messages:
             print(f"  {message}", file=sys.stderr)
         return EXIT_CONFIG
-    except (_Failed, GeometryError, StartupError, ValueError, OSError) as exc:
+    except (
+        _Failed,
+        Unsizable,
+        GGUFError,
+        GeometryError,
+        StartupError,
+        ValueError,
+        OSError,
+    ) as exc:
         print(f"vacancyd footprint: {exc}", file=sys.stderr)
         return EXIT_FAILED
     learned, learned_note = _learned(target, found.model)
-    need = _need(target, result, learned)
+    charge = _charge(target, found, result, learned)
     if args.json:
-        print(json.dumps(_document(target, found, result, learned, learned_note, need), indent=2))
+        print(json.dumps(_document(target, found, result, learned, learned_note, charge), indent=2))
     else:
-        print(_report(target, found, result, learned, learned_note, need))
+        print(_report(target, found, result, learned, learned_note, charge))
     return EXIT_OK
 
 
@@ -151,136 +157,77 @@ def _upstream(config: Config, name: str | None) -> UpstreamConfig:
     raise _Failed(f"the config has no upstream named {name!r}")
 
 
-def _find(args: argparse.Namespace, target: _Target) -> _Found:
-    """The geometry, model name and context, each from the best source available."""
+def _overrides(args: argparse.Namespace) -> Overrides:
+    return Overrides(
+        gguf=args.gguf,
+        model=args.model,
+        context=args.context,
+        parallel=args.parallel,
+        cache_type=args.cache_type,
+        unified_kv=args.kv_unified,
+    )
+
+
+def _find(args: argparse.Namespace, target: _Target, find_server: FindServer | None) -> Served:
+    """The model as its server runs it (as admission reads it), else from --gguf."""
     upstream = target.upstream
-    if upstream is not None and upstream.adapter in (AdapterName.LLAMACPP, AdapterName.OLLAMA):
-        with _client(upstream) as client:
-            if upstream.adapter is AdapterName.LLAMACPP:
-                return _from_llamacpp(args, upstream, client)
-            return _from_ollama(args, upstream, client)
+    if upstream is not None and can_size(upstream):
+        if upstream.adapter.value == "ollama" and args.model is None:
+            raise _Failed("an ollama upstream needs --model")
+        try:
+            with upstream_client(_credential(upstream), HTTP_TIMEOUT_S) as client:
+                return read_served(
+                    upstream,
+                    args.model,
+                    client,
+                    overrides=_overrides(args),
+                    find_server=find_server,
+                )
+        except SourceError as exc:
+            if args.gguf is None or upstream.adapter.value == "ollama":
+                raise _Failed(str(exc)) from exc
+            return _from_file(args, f"the server did not answer: {exc}")
+        except Unsizable as exc:
+            raise _Failed(f"{exc}; give --gguf PATH") from exc
     if args.gguf is None:
         adapter = upstream.adapter.value if upstream is not None else "?"
         raise _Failed(f"a {adapter} upstream cannot tell a model's geometry; give --gguf PATH")
     return _from_file(args)
 
 
-def _from_file(args: argparse.Namespace, why: str = "") -> _Found:
-    context, context_source = _default_context(args, why)
-    return _Found(
-        _read_gguf(args.gguf),
-        f"GGUF header of {args.gguf}",
-        args.model or _stem(args.gguf),
-        context,
-        _first(args.parallel, 1),
-        context_source,
+def _from_file(args: argparse.Namespace, why: str = "") -> Served:
+    if args.context is not None:
+        context, context_source = args.context, "--context"
+    else:
+        suffix = f"; {why}" if why else ""
+        context = DEFAULT_CONTEXT
+        context_source = f"default {DEFAULT_CONTEXT} tokens (give --context N){suffix}"
+    if args.cache_type is not None:
+        cache_type, cache_source = args.cache_type, "--cache-type"
+    else:
+        cache_type = ASSUMED_CACHE_TYPE
+        cache_source = f"{ASSUMED_CACHE_TYPE} assumed: no server to ask; give --cache-type"
+    return Served(
+        model=args.model or Path(args.gguf).name.removesuffix(".gguf"),
+        geometry=read_gguf(args.gguf),
+        geometry_source=f"GGUF header of {args.gguf}",
+        context=context,
+        parallel=args.parallel if args.parallel is not None else 1,
+        context_source=context_source,
+        cache_type=cache_type,
+        cache_type_source=cache_source,
+        unified_kv=args.kv_unified,
+        identity=("file", args.gguf),
     )
 
 
-def _read_gguf(path: str) -> Geometry:
-    # Imported here: the reader pulls in numpy, which no other command needs.
-    from vacancyd.footprint.gguf_reader import GGUFError, read_geometry
-
-    try:
-        return read_geometry(path)
-    except GGUFError as exc:
-        raise _Failed(str(exc)) from exc
-
-
-def _first(*values: int | None) -> int:
-    """The first value given (0 included, to be refused later), as `or` would not."""
-    return next(v for v in values if v is not None)
-
-
-def _stem(path: str) -> str:
-    return Path(path).name.removesuffix(".gguf")
-
-
-def _client(upstream: UpstreamConfig) -> httpx.Client:
+def _credential(upstream: UpstreamConfig) -> str | None:
     from vacancyd.auth import read_token_file
 
-    headers = {}
-    if upstream.credential_file:
-        where = f"upstream {upstream.name!r} credential_file"
-        token = read_token_file(upstream.credential_file, where, "credential file")
-        headers["Authorization"] = f"Bearer {token}"
-    return httpx.Client(trust_env=False, timeout=HTTP_TIMEOUT_S, headers=headers)
-
-
-def _from_llamacpp(
-    args: argparse.Namespace, upstream: UpstreamConfig, client: httpx.Client
-) -> _Found:
-    from vacancyd.footprint.sources import SourceError, llamacpp_props
-
-    try:
-        props = llamacpp_props(client, upstream.target)
-    except SourceError as exc:
-        if args.gguf is None:
-            raise _Failed(str(exc)) from exc
-        return _from_file(args, f"the server did not answer: {exc}")
-    path = args.gguf or props.model_path
-    if path is None:
-        raise _Failed(f"{upstream.target}/props names no model_path; give --gguf PATH")
-    if not Path(path).is_file():
-        raise _Failed(f"llama-server's model file {path} is not on this machine; give --gguf PATH")
-    model = args.model or props.model_alias or _stem(path)
-    parallel = _first(args.parallel, props.total_slots, 1)
-    if args.context is not None:
-        context, source = args.context, "--context"
-    elif props.slot_context is not None:
-        slots = props.total_slots or 1
-        context = props.slot_context * slots
-        source = (
-            f"llama-server /props: {props.slot_context} per slot x {slots} slot(s); "
-            "with a unified KV cache (-kvu) the server holds less: give --context"
-        )
-    else:
-        context, source = _default_context(args, "/props has no n_ctx")
-    where = "--gguf" if args.gguf else "llama-server /props model_path"
-    return _Found(
-        _read_gguf(path), f"GGUF header of {path} ({where})", model, context, parallel, source
-    )
-
-
-def _from_ollama(
-    args: argparse.Namespace, upstream: UpstreamConfig, client: httpx.Client
-) -> _Found:
-    from vacancyd.footprint.geometry import geometry_from_ollama_model_info
-    from vacancyd.footprint.sources import SourceError, ollama_model
-
-    if args.model is None:
-        raise _Failed("an ollama upstream needs --model")
-    parallel = _first(args.parallel, 1)
-    if args.gguf is not None:
-        geometry, geometry_source = _read_gguf(args.gguf), f"GGUF header of {args.gguf}"
-        num_ctx = None
-    else:
-        try:
-            found = ollama_model(client, upstream.target, args.model)
-        except SourceError as exc:
-            raise _Failed(str(exc)) from exc
-        geometry = geometry_from_ollama_model_info(found.model_info, found.size_bytes)
-        geometry_source = f"Ollama /api/show model_info for {args.model}"
-        num_ctx = found.num_ctx
-    if args.context is not None:
-        context, source = args.context, "--context"
-    elif num_ctx is not None:
-        context, source = num_ctx * parallel, f"Modelfile num_ctx {num_ctx} x {parallel} slot(s)"
-    else:
-        context = DEFAULT_CONTEXT * parallel
-        source = (
-            f"Ollama's default num_ctx {DEFAULT_CONTEXT} x {parallel} slot(s); servers from "
-            "v0.15.5 pick a larger default by VRAM unless OLLAMA_CONTEXT_LENGTH is set: "
-            "give --context"
-        )
-    return _Found(geometry, geometry_source, args.model, context, parallel, source)
-
-
-def _default_context(args: argparse.Namespace, why: str = "") -> tuple[int, str]:
-    if args.context is not None:
-        return args.context, "--context"
-    suffix = f"; {why}" if why else ""
-    return DEFAULT_CONTEXT, f"default {DEFAULT_CONTEXT} tokens (give --context N){suffix}"
+    if not upstream.credential_file:
+        return None
+    where = f"upstream {upstream.name!r} credential_file"
+    return read_token_file(upstream.credential_file, where, "credential file")
 
 
 def _learned(target: _Target, model: str) -> tuple[dict[str, int], str]:
@@ -296,14 +243,40 @@ def _learned(target: _Target, model: str) -> tuple[dict[str, int], str]:
     return learned, f"from {store.path}" if learned else f"none recorded in {store.path}"
 
 
-def _need(target: _Target, result: FootprintEstimate, learned: dict[str, int]) -> dict[str, int]:
-    """The need to configure: the larger of estimate and learned on the sized resource,
-    learned values on the others, and the upstream's defaults for resources neither covers
-    (a model's `need_mib` replaces `default_need_mib` entirely)."""
-    need = dict(target.upstream.default_need_mib) if target.upstream is not None else {}
-    need.update(learned)
-    need[target.resource] = max(result.total_mib, learned.get(target.resource, 0))
-    return need
+@attrs.frozen
+class _Charge:
+    """What admission charges the model now, and the table to configure."""
+
+    charged: ModelNeed | None
+    snippet: dict[str, int]
+    note: str
+
+
+def _charge(
+    target: _Target, found: Served, result: FootprintEstimate, learned: dict[str, int]
+) -> _Charge:
+    """The charge by admission's own rule (admission/need.py) from the same hint the
+    daemon's book would give: learned per resource, the estimate on the sized resource
+    where nothing was learned, `default_need_mib` as a floor. The snippet is that charge
+    as the model's own table (a model's `need_mib` replaces `default_need_mib` entirely,
+    so the floors are written into it)."""
+    estimated = (target.resource, result.total_mib, describe(found, result))
+    hint = hint_from(learned, estimated)
+    if target.config is None or target.upstream is None:
+        table = dict(hint.need_mib) if hint is not None else {}
+        return _Charge(None, table, "")
+    upstream = target.upstream
+    resources = {resource.name: resource for resource in target.config.resource}
+    unlisted = attrs.evolve(upstream, models={})
+    snippet = need_for(unlisted, resources, found.model, hint)
+    charged = need_for(upstream, resources, found.model, hint)
+    note = ""
+    if target.resource != upstream.resource:
+        note = (
+            f"admission itself estimates only {upstream.resource}; {target.resource} is "
+            "sized here as asked"
+        )
+    return _Charge(charged, dict(snippet.need_mib), note)
 
 
 def toml_snippet(upstream: str | None, model: str, need: dict[str, int]) -> str:
@@ -329,11 +302,11 @@ def _toml_string(text: str) -> str:
 
 def _report(
     target: _Target,
-    found: _Found,
+    found: Served,
     result: FootprintEstimate,
     learned: dict[str, int],
     learned_note: str,
-    need: dict[str, int],
+    charge: _Charge,
 ) -> str:
     upstream = target.upstream
     about = (
@@ -346,32 +319,47 @@ def _report(
         f"model: {found.model} · {about}",
         f"geometry: {found.geometry_source}",
         f"context: {found.context} tokens, {found.parallel} slot(s) · {found.context_source}",
+        f"cache type: {found.cache_type} · {found.cache_type_source}",
         result.explain(),
         f"learned: {learned_text + ' · ' if learned else ''}{learned_note}",
-        "",
-        toml_snippet(upstream.name if upstream else None, found.model, need),
     ]
+    if charge.charged is not None:
+        charged = ", ".join(
+            f"{name} = {mib} MiB ({charge.charged.sources.get(name, charge.charged.source)})"
+            for name, mib in charge.charged.need_mib.items()
+        )
+        note = f" · {charge.note}" if charge.note else ""
+        lines.append(f"admission charges a load: {charged or 'nothing'}{note}")
+    lines += ["", toml_snippet(upstream.name if upstream else None, found.model, charge.snippet)]
     return "\n".join(lines)
 
 
 def _document(
     target: _Target,
-    found: _Found,
+    found: Served,
     result: FootprintEstimate,
     learned: dict[str, int],
     learned_note: str,
-    need: dict[str, int],
+    charge: _Charge,
 ) -> dict[str, Any]:
     upstream = target.upstream
+    charged = charge.charged
     return {
         "model": found.model,
         "upstream": upstream.name if upstream else None,
         "resource": target.resource,
         "geometry_source": found.geometry_source,
         "context_source": found.context_source,
+        "cache_type": found.cache_type,
+        "cache_type_source": found.cache_type_source,
         "estimate": result.as_dict(),
         "learned_mib": learned,
         "learned_source": learned_note,
-        "need_mib": need,
-        "toml": toml_snippet(upstream.name if upstream else None, found.model, need),
+        # What admission charges a load of this model now, as the vacancy probe reports
+        # it (null without --config); and the table the snippet configures.
+        "charged_mib": charged.need_mib if charged is not None else None,
+        "charged_sources": charged.sources if charged is not None else None,
+        "charge_note": charge.note or None,
+        "need_mib": charge.snippet,
+        "toml": toml_snippet(upstream.name if upstream else None, found.model, charge.snippet),
     }

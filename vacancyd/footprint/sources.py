@@ -3,9 +3,12 @@
 Blocking HTTP for the CLI (the daemon's adapters own their own asynchronous probes):
 
 - llama-server: `GET /props` names the model file (`model_path`), the context of one slot
-  (`default_generation_settings.n_ctx`) and the number of slots (`total_slots`);
+  (`default_generation_settings.n_ctx`), the number of slots (`total_slots`) and, where
+  the server says, its KV cache types (`cache_type_k`, `cache_type_v`, at the top level
+  or in `default_generation_settings`; builds of late 2025 do not say);
 - Ollama: `POST /api/show` returns the model's GGUF metadata as `model_info` and its
-  Modelfile parameters (`num_ctx` among them); `GET /api/tags` gives its size on disk.
+  Modelfile parameters (`num_ctx` among them); `GET /api/tags` gives its size on disk and
+  its digest, which changes whenever the model does (`ollama_listing`).
 
 Replies are read up to MAX_REPLY_BYTES and must be JSON objects; anything else is a
 SourceError that says which URL answered what.
@@ -36,6 +39,16 @@ class LlamaServerProps:
     model_alias: str | None
     slot_context: int | None
     total_slots: int | None
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+
+
+@attrs.frozen
+class OllamaListing:
+    """What `/api/tags` says of one model: its size and digest (None: not listed)."""
+
+    size_bytes: int | None
+    digest: str | None
 
 
 @attrs.frozen
@@ -43,18 +56,21 @@ class OllamaModel:
     model_info: dict[str, Any]
     size_bytes: int | None
     num_ctx: int | None
+    digest: str | None = None
 
 
 def llamacpp_props(client: httpx.Client, target: str) -> LlamaServerProps:
     """What llama-server's `/props` says about its model and slots."""
     props = _json(client, "GET", _url(target, "/props"))
     settings = props.get("default_generation_settings")
-    slot_context = settings.get("n_ctx") if isinstance(settings, dict) else None
+    settings = settings if isinstance(settings, dict) else {}
     return LlamaServerProps(
         model_path=_str_or_none(props.get("model_path")),
         model_alias=_str_or_none(props.get("model_alias")),
-        slot_context=_positive_or_none(slot_context),
+        slot_context=_positive_or_none(settings.get("n_ctx")),
         total_slots=_positive_or_none(props.get("total_slots")),
+        cache_type_k=_str_or_none(props.get("cache_type_k") or settings.get("cache_type_k")),
+        cache_type_v=_str_or_none(props.get("cache_type_v") or settings.get("cache_type_v")),
     )
 
 
@@ -77,25 +93,30 @@ def ollama_model(client: httpx.Client, target: str, model: str) -> OllamaModel:
             info = verbose_info
     parameters = show.get("parameters")
     found = _NUM_CTX.search(parameters) if isinstance(parameters, str) else None
+    try:
+        listing = ollama_listing(client, target, model)
+    except SourceError:
+        listing = OllamaListing(None, None)
     return OllamaModel(
         model_info=info,
-        size_bytes=_ollama_size(client, target, model),
+        size_bytes=listing.size_bytes,
         num_ctx=int(found.group(1)) if found else None,
+        digest=listing.digest,
     )
 
 
-def _ollama_size(client: httpx.Client, target: str, model: str) -> int | None:
-    """The model's size on disk from `/api/tags`; None when it is not listed."""
-    try:
-        tags = _json(client, "GET", _url(target, "/api/tags"))
-    except SourceError:
-        return None
+def ollama_listing(client: httpx.Client, target: str, model: str) -> OllamaListing:
+    """The model's size on disk and digest from `/api/tags` (Nones when it is not
+    listed); a SourceError when the server does not answer."""
+    tags = _json(client, "GET", _url(target, "/api/tags"))
     names = {model, model if ":" in model else f"{model}:latest"}
     listed = tags.get("models")
     for entry in listed if isinstance(listed, list) else []:
         if isinstance(entry, dict) and (entry.get("name") in names or entry.get("model") in names):
-            return _positive_or_none(entry.get("size"))
-    return None
+            return OllamaListing(
+                _positive_or_none(entry.get("size")), _str_or_none(entry.get("digest"))
+            )
+    return OllamaListing(None, None)
 
 
 def _json(client: httpx.Client, method: str, url: str, body: Any = None) -> dict[str, Any]:

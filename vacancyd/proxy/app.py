@@ -37,6 +37,7 @@ from vacancyd.proxy.body import BodyBudget, BodyError, ClientGone, drain_body, r
 from vacancyd.proxy.connect import Connector
 from vacancyd.proxy.cors import cross_origin_send, preflight_answer
 from vacancyd.proxy.exchange import UpstreamExchange
+from vacancyd.proxy.forward import Relay
 from vacancyd.proxy.headers import header_value
 from vacancyd.proxy.policy import (
     Refusal,
@@ -250,9 +251,18 @@ class ProxyApp:
             await replies.refusal(outcome)
             return
         status: int | None = None
+        # Reclaim may cut the job from here on, before its relay has begun: a cut while the
+        # host memory is read below is answered as a cut, never forwarded afterwards.
+        relay = Relay()
+        self._admission.attach(outcome, relay)
         try:
+            if not outcome.shared and self.footprints is not None:
+                # Before the job can load anything: the server's host memory, which its
+                # load is measured against (a few ms; at most TREE_DEADLINE_S).
+                before = await self.footprints.host_memory(self.upstream)
+                outcome.host_rss_before_mib = None if before is None else before.rss_mib
             status = await self._exchange.forward(
-                found, scope, receive, replies, body, reservation=outcome
+                found, scope, receive, replies, body, reservation=outcome, relay=relay
             )
         finally:
             actions = self.adapter.actions
@@ -305,7 +315,9 @@ class ProxyApp:
             return
         if self.residency is not None:
             self.background.start_soon(self.residency.learn, request)
-        if self.footprints is not None and job.free_before_mib:
+        if self.footprints is not None and (
+            job.free_before_mib or job.host_rss_before_mib is not None
+        ):
             self.background.start_soon(self._measure_load, job)
 
     async def _measure_load(self, job: Reservation) -> None:
@@ -313,6 +325,12 @@ class ProxyApp:
         a failure is logged once and never reaches the job-trackers' nursery."""
         assert self.footprints is not None
         try:
+            if job.host_rss_before_mib is not None:
+                # At once: the job is over, and the server's tree holds what it loaded.
+                after = await self.footprints.host_memory(self.upstream)
+                self.footprints.measure_host(
+                    self.upstream, job.model, job.host_rss_before_mib, after
+                )
             fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
             for resource, mib in fell.items():
                 self.footprints.measure(self.upstream.name, job.model, resource, mib)

@@ -72,6 +72,7 @@ class UpstreamExchange:
         replies: Replies,
         body: bytes,
         reservation: Reservation | None,
+        relay: Relay | None = None,
     ) -> int | None:
         """Relay one request; returns the upstream's status, or None if none was relayed.
 
@@ -81,6 +82,9 @@ class UpstreamExchange:
         borrower that stopped reading is still stuck. The answer's head must come within
         the route's first-byte deadline and each later piece within the idle deadline;
         an upstream that misses either is reported as not answering (proxy/health.py).
+
+        `relay` is the job's handle where the caller attached it to the reservation
+        earlier; one cut before the relay begins is answered as a cut, nothing is sent.
         """
         headers = request_headers(
             scope["headers"],
@@ -89,9 +93,10 @@ class UpstreamExchange:
             credential=self._credential,
             dropped=self._drop_request_headers,
         )
-        relay = Relay()
-        if reservation is not None:
-            self._admission.attach(reservation, relay)
+        if relay is None:
+            relay = Relay()
+            if reservation is not None:
+                self._admission.attach(reservation, relay)
         watch = DisconnectWatch(receive, relay)
         response: UpstreamResponse | None = None
         tail = StreamTail()
