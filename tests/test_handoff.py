@@ -48,6 +48,7 @@ WAIT_S = 15.0
 IDLE_S = 0.5
 UNLOAD_DELAY_S = 0.4
 CHAT = Model("chat:latest", size=10 * GIB)
+BARE = "chat"
 # 24 GiB, 3 GiB the owner's and a 10% emergency reserve: with the chat model loaded,
 # 8.6 GiB is spare, short of the 10 GiB a ComfyUI prompt needs.
 TOTAL, BASE = 24 * GIB, 3 * GIB
@@ -90,7 +91,8 @@ class Lab:
         raise AssertionError(f"/status never showed {what}:\n{json.dumps(document, indent=2)}")
 
     async def chat(self, **extra: Any) -> httpx.Response:
-        body = {"model": CHAT.name, "prompt": "hi", "stream": False, **extra}
+        # By its bare name, as borrowers write it: Ollama lists it as "chat:latest".
+        body = {"model": BARE, "prompt": "hi", "stream": False, **extra}
         return await self.http.post(f"{self.proxy('ollama')}/api/generate", json=body)
 
     async def prompt(self) -> httpx.Response:
@@ -179,7 +181,7 @@ async def test_an_idle_borrowed_ollama_model_gives_way_to_a_comfyui_borrower(
     async with lab(fake_nvml, tmp_path, in_process=in_process) as the:
         document = await the.borrower_loaded_chat()
         [load] = document["upstreams"]["ollama"]["handoff"]["borrowed_loads"]
-        assert (load["model"], load["resource"]) == (CHAT.name, "gpu0")
+        assert (load["model"], load["resource"]) == (BARE, "gpu0")
         assert load["mib"] == 10 * 1024  # the fall vacancyd measured across the load
         await the.status_until(
             lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
@@ -203,7 +205,7 @@ async def test_an_idle_borrowed_ollama_model_gives_way_to_a_comfyui_borrower(
         document = await the.status()
         [handoff] = document["handoffs"]
         assert handoff["requester"] == "comfy" and handoff["resource"] == "gpu0"
-        assert handoff["gave_way"] == ["ollama"] and handoff["models"] == [CHAT.name]
+        assert handoff["gave_way"] == ["ollama"] and handoff["models"] == [BARE]
         assert handoff["outcome"] == "confirmed"
         assert handoff["asked_mib"] == 10 * 1024
         assert handoff["came_back_mib"] >= 0.8 * 10 * 1024
@@ -238,6 +240,12 @@ async def test_a_hand_off_whose_memory_does_not_come_back_in_time_refuses_and_sa
         assert 'vacancyd_handoffs_total{outcome="not_confirmed",upstream="comfy"} 1.0' in metrics
         # Its own new work waited only while the hand-off ran.
         assert (await the.status())["upstreams"]["ollama"]["handoff"]["giving_way"] is False
+        # The next borrower is not held for a second hand-off of the same memory.
+        started = trio.current_time()
+        error = refusal_of(await the.prompt())
+        assert trio.current_time() - started < 1.0
+        assert "cannot be handed over" in error["message"]
+        assert len((await the.status())["handoffs"]) == 1
 
 
 async def test_a_model_with_a_running_job_is_never_evicted(

@@ -57,6 +57,15 @@ IDLE = giver("ollama", load("ollama", 8192))
         ),
         # Idle for exactly handoff_idle_s counts as idle.
         ((giver("ollama", load("ollama", 8192, last_used=NOW - 60)),), 1024, ["ollama"], True, ""),
+        # A server that did not give memory back in time is not asked again for a while.
+        (
+            (attrs.evolve(IDLE, failed_at=NOW - 10),),
+            1024,
+            [],
+            False,
+            "ollama did not give memory back when asked 10s ago (asked again after 60s)",
+        ),
+        ((attrs.evolve(IDLE, failed_at=NOW - 60),), 1024, ["ollama"], True, ""),
         # A server with a higher priority keeps its model.
         (
             (attrs.evolve(IDLE, priority=5),),

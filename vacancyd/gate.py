@@ -258,10 +258,11 @@ def _check_model_capacity(resources: tuple[ResourceView, ...], need: ModelNeed) 
 def charged_mib(need: ModelNeed, resource: str) -> int:
     """The MiB a request is charged on one resource; residency, once proved, costs less."""
     full = need.need_mib.get(resource, 0)
-    spilled = need.spill_mib.get(resource, 0)
     if need.resident_credit:
-        return min(need.resident_min_free_mib, full) + spilled
-    return full + spilled
+        # A resident model's spilled part is in host memory already, as its GPU part is
+        # on the card: neither is charged again.
+        return min(need.resident_min_free_mib, full)
+    return full + need.spill_mib.get(resource, 0)
 
 
 def _admit_detail(need: ModelNeed) -> str:

@@ -18,12 +18,12 @@ import httpx
 import trio
 
 from vacancyd.adapters import Adapter
-from vacancyd.adapters.actions import UnloadReport, UpstreamContext
+from vacancyd.adapters.actions import NOTHING_LOADED, UnloadReport, UpstreamContext
 from vacancyd.admission import Ledger
 from vacancyd.admission.memory_back import CONFIRM_POLL_S, CONFIRM_SHARE, wait_for_memory_back
 from vacancyd.config import UpstreamConfig, parse_target
 from vacancyd.errors import log_unexpected
-from vacancyd.handoff_plan import HandOffPlan, HandOffRecord
+from vacancyd.handoff_plan import BorrowedLoad, HandOffPlan, HandOffRecord
 from vacancyd.model import MIB
 from vacancyd.state import SharedState
 
@@ -95,14 +95,20 @@ class HandOver:
             names = tuple(
                 load.model for load in plan.loads if load.upstream == giver and load.model
             )
-            results[giver] = await self._release(giver, names, timeout_s)
+            results[giver] = await self._release(giver, names, plan.loads, timeout_s)
 
         async with trio.open_nursery() as nursery:
             for giver in plan.givers:
                 nursery.start_soon(release, giver)
         return {giver: results.get(giver, "not asked") for giver in plan.givers}
 
-    async def _release(self, giver: str, names: tuple[str, ...], timeout_s: float) -> str:
+    async def _release(
+        self,
+        giver: str,
+        names: tuple[str, ...],
+        plan_loads: tuple[BorrowedLoad, ...],
+        timeout_s: float,
+    ) -> str:
         upstream, adapter, credential = self._servers[giver]
         release = adapter.give_way.release
         if release is None:
@@ -119,10 +125,23 @@ class HandOver:
             # rather than taking the borrower's request (or the daemon) down.
             log_unexpected(log, f"asking {giver} to give way", exc)
             return f"the release failed ({type(exc).__name__})"
+        loads = [load for load in plan_loads if load.upstream == giver]
+        if report.skipped == NOTHING_LOADED:
+            # The server let them go on its own (its keep-alive ran out): nothing to wait for.
+            self._forget(giver, loads)
         if report.error or report.skipped:
             return report.error or f"skipped: {report.skipped}"
-        self._ledger.loads.forget(giver)
+        self._forget(giver, loads)
         return ""
+
+    def _forget(self, giver: str, loads: list[BorrowedLoad]) -> None:
+        """What the server was asked to let go is no longer a borrower's load there; a
+        server that cannot name its models (ComfyUI) let all of them go."""
+        if any(load.model is None for load in loads):
+            self._ledger.loads.forget(giver)
+        for load in loads:
+            if load.model is not None:
+                self._ledger.loads.forget_model(giver, load.model)
 
     def _free_bytes(self, resource: str) -> int | None:
         observation = self._state.observation(resource)

@@ -8,7 +8,8 @@ costs someone a reload they did not ask for:
 
 * only a model a borrower's request loaded, as vacancyd measured it (the GPU's free memory
   fell across that exclusive job); never one the server held before, which may be the
-  owner's or another client's;
+  owner's or another client's. (A server that cannot release one model alone, ComfyUI,
+  lets everything go when it gives way: its adapter says so, and the docs.)
 * only when the server holding it has no borrowed job running or held, and has had none
   for `handoff_idle_s` (its own jobs are the signal, never the GPU's utilisation, which
   every tenant shares);
@@ -25,6 +26,9 @@ over, why, so a refusal can say it.
 from __future__ import annotations
 
 import attrs
+
+# How long a server that did not give memory back in time is not asked again.
+HANDOFF_RETRY_S = 60.0
 
 
 @attrs.frozen
@@ -53,6 +57,8 @@ class Giver:
     # Borrowed jobs on it now (running, tracked or held): any makes it busy.
     running_jobs: int
     loads: tuple[BorrowedLoad, ...]
+    # When it last failed to give memory back in time (None: never).
+    failed_at: float | None = None
 
 
 @attrs.frozen
@@ -125,6 +131,11 @@ def _why_not(giver: Giver, requester_priority: int, now: float) -> str:
         return f"cannot give memory back ({giver.cannot_release})"
     if giver.running_jobs:
         return f"is running borrowed work ({giver.running_jobs} job(s)), so its model stays"
+    if giver.failed_at is not None and now - giver.failed_at < HANDOFF_RETRY_S:
+        return (
+            f"did not give memory back when asked {max(now - giver.failed_at, 0.0):.0f}s ago "
+            f"(asked again after {HANDOFF_RETRY_S:g}s)"
+        )
     if giver.priority > requester_priority:
         return f"has a higher hand-off priority ({giver.priority} > {requester_priority})"
     idle = now - max(load.last_used for load in giver.loads)

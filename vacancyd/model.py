@@ -213,8 +213,8 @@ class ModelNeed:
 
     model: str | None
     need_mib: dict[str, int] = attrs.field(factory=dict)
-    # Host memory a model its server spilled to the CPU takes per request, charged even
-    # with residency credit (see admission/spills.py).
+    # Host memory the part of a model its server spilled to the CPU takes, charged on a
+    # request that may load it (not on one with residency credit: it is there already).
     spill_mib: dict[str, int] = attrs.field(factory=dict)
     resident_credit: bool = False
     resident_min_free_mib: int = 0

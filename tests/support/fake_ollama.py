@@ -256,7 +256,10 @@ class FakeOllama:
 
     def _model(self, request: Any) -> Model | None:
         name = request.get("model") if isinstance(request, dict) else None
-        return self.models.get(name) if isinstance(name, str) else None
+        if not isinstance(name, str):
+            return None
+        # As Ollama: a bare name means its `latest` tag.
+        return self.models.get(name) or (None if ":" in name else self.models.get(f"{name}:latest"))
 
     async def _not_found(self, send: Any, request: Any) -> None:
         name = request.get("model", "") if isinstance(request, dict) else ""

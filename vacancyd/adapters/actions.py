@@ -38,6 +38,9 @@ READ_LIMIT_BYTES = 16 * 1024 * 1024
 
 JobState = Literal["pending", "running", "done", "unknown"]
 
+# An unload that named models none of which the server still holds: nothing to ask for.
+NOTHING_LOADED = "none of the named models is loaded"
+
 
 @attrs.frozen
 class UpstreamContext:

@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from vacancyd.adapters.actions import (
+    NOTHING_LOADED,
     CancelReport,
     JobState,
     UnloadReport,
@@ -25,6 +26,7 @@ from vacancyd.adapters.actions import (
     call,
     within_deadline,
 )
+from vacancyd.adapters.ollama_residency import canonical
 from vacancyd.handoff_plan import Spill
 
 _MIB = 1024 * 1024
@@ -127,7 +129,11 @@ class OllamaActions:
         except UpstreamCallError as exc:
             return progress.report(str(exc))
         if only is not None:
-            models = [model for model in models if model.name in only]
+            # Borrowers name a model as they like ("llama3"); /api/ps lists "llama3:latest".
+            wanted = {canonical(name) for name in only}
+            models = [model for model in models if canonical(model.name) in wanted]
+            if not models:
+                return UnloadReport((), 0, skipped=NOTHING_LOADED)
         sizes = [model.size_vram for model in models]
         progress.expected_free_bytes = (
             None if any(size is None for size in sizes) else sum(s for s in sizes if s is not None)

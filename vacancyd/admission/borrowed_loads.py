@@ -10,6 +10,8 @@ harmless: asking to release it frees nothing, and the hand-off re-reads the GPU 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 
 from vacancyd.handoff_plan import BorrowedLoad
@@ -21,8 +23,9 @@ LOAD_MIN_MIB = 256
 class BorrowedLoads:
     def __init__(self) -> None:
         self._loads: dict[tuple[str, str | None, str], BorrowedLoad] = {}
-        # Upstreams asked to give way right now: their new work waits for the hand-off.
-        self.giving_way: set[str] = set()
+        # Upstreams asked to give way right now, by how many hand-offs (one per GPU may
+        # ask the same server): their new work waits until none is under way.
+        self.giving_way: Counter[str] = Counter()
 
     def loaded(self, upstream: str, model: str | None, resource: str, mib: int, at: float) -> bool:
         """Record a measured load; False (nothing recorded) for a fall too small to be one."""

@@ -108,12 +108,7 @@ class Admission:
     ) -> Reservation | Refuse:
         """Admit one request of `borrower` (its token's name, see accounting.py): a
         reservation, or the refusal, each recorded for the upstream and the borrower."""
-        spill = self._spill(upstream, model)
-        resources = self._resources(upstream, spill)
-        not_now = self.handoffs.giving_way_refusal(upstream) or _spill_refusal(upstream, spill)
-        if not_now is not None:
-            question = self._ask(upstream, resources, model, hint, None)[0]
-            return self._record(upstream, (question, not_now), borrower)
+        resources = self._resources(upstream, self._spill(upstream, model))
         tried = self._try(upstream, resources, model, job_ids, hint, None, borrower)
         if prove is None or not _credit_could_help(tried):
             if isinstance(tried[1], Refuse) and tried[1].reason is Reason.RESOURCE_BUSY:
@@ -167,11 +162,22 @@ class Admission:
         if needed is None or not handoffs.is_gpu(needed.resource):
             return tried
         plan = handoffs.plan(upstream, needed)
-        if not (plan.enough and handoffs.may_ask(upstream)):
+        if not plan.enough:
             if plan.loads or plan.passed_over:
                 return question, handoffs.explained(outcome, plan, None)
             return tried
-        async with handoffs.lock(needed.resource):
+        if not handoffs.may_ask(upstream):
+            return question, handoffs.not_asking(outcome)
+        lock = handoffs.lock(needed.resource)
+        # One hand-off per GPU; a request waits for the one under way no longer than it
+        # would wait for its own.
+        acquired = False
+        with trio.move_on_after(upstream.handoff_timeout_s):
+            await lock.acquire()
+            acquired = True
+        if not acquired:
+            return question, handoffs.busy_elsewhere(outcome, needed.resource)
+        try:
             # Another request's hand-off may have freed enough while this one waited.
             tried = self._try(upstream, resources, model, job_ids, hint, credit, borrower)
             question, outcome = tried
@@ -186,8 +192,10 @@ class Admission:
             record = await handoffs.hand_over(upstream, needed.resource, plan)
             self._decisions.record_handoff(record)
             tried = self._try(upstream, resources, model, job_ids, hint, credit, borrower)
+        finally:
+            lock.release()
         question, outcome = tried
-        if isinstance(outcome, Refuse):
+        if isinstance(outcome, Refuse) and outcome.reason is Reason.INSUFFICIENT_CAPACITY:
             return question, handoffs.explained(outcome, plan, record)
         return tried
 
@@ -206,6 +214,14 @@ class Admission:
         decision = decide(question)
         if isinstance(decision, Refuse):
             return question, decision
+        # After the gate's own reasons (the owner's come first), and with no checkpoint
+        # before the reservation: a server letting its model go takes no new work, and a
+        # spilled model is refused where the owner lends only the GPU.
+        not_now = self.handoffs.giving_way_refusal(upstream) or _spill_refusal(
+            upstream, self._spill(upstream, model)
+        )
+        if not_now is not None:
+            return question, not_now
         need = question.need
         charges = {name: charged_mib(need, name) for name in {**need.need_mib, **need.spill_mib}}
         outcome = self._ledger.try_reserve(

@@ -58,6 +58,10 @@ class HandOffs:
         self.terms: dict[str, ServerTerms] = {}
         self.carry_out: CarryOut | None = None
         self._locks: dict[str, trio.Lock] = {}
+        # When each upstream last failed to give memory back in time: it is not asked
+        # again until HANDOFF_RETRY_S later, so a queue of requests does not ask a hung
+        # server one after another.
+        self._failed_at: dict[str, float] = {}
 
     @staticmethod
     def needed(question: GateInput, refusal: Refuse) -> Needed | None:
@@ -97,12 +101,19 @@ class HandOffs:
         """Carry the plan out while its givers' own new work waits (see `giving_way`)."""
         assert self.carry_out is not None
         givers = plan.givers
-        self._ledger.loads.giving_way.update(givers)
+        giving_way = self._ledger.loads.giving_way
+        giving_way.update(givers)
         try:
             record = await self.carry_out(upstream.name, resource, plan, upstream.handoff_timeout_s)
         finally:
-            self._ledger.loads.giving_way.difference_update(givers)
+            giving_way.subtract(givers)
+            for giver in givers:
+                if giving_way[giver] <= 0:
+                    del giving_way[giver]
             self._state.notify()
+        if not record.confirmed:
+            for giver in givers:
+                self._failed_at[giver] = trio.current_time()
         log.info(
             "hand-off on %s for %s: %s gave way (%s), %s MiB of %d MiB back in %.2fs: %s",
             resource,
@@ -119,13 +130,30 @@ class HandOffs:
     def giving_way_refusal(self, upstream: UpstreamConfig) -> Refuse | None:
         """New work for an upstream that is handing its memory over waits a moment: a
         request admitted now would keep the model it is letting go."""
-        if upstream.name not in self._ledger.loads.giving_way:
+        if self._ledger.loads.giving_way[upstream.name] <= 0:
             return None
         return Refuse(
             Reason.RESOURCE_BUSY,
             2,
             "the server is handing its GPU memory to another server",
             resource=upstream.resource,
+        )
+
+    @staticmethod
+    def not_asking(refusal: Refuse) -> Refuse:
+        """Idle borrowed models could make room, but this upstream does not ask for it."""
+        return attrs.evolve(
+            refusal,
+            detail=f"{refusal.detail}; other servers' idle models could give way, but this "
+            "server's borrowers do not ask for it (handoff_timeout_s = 0)",
+        )
+
+    @staticmethod
+    def busy_elsewhere(refusal: Refuse, resource: str) -> Refuse:
+        """Another request's hand-off on the GPU outlasted this request's own deadline."""
+        return attrs.evolve(
+            refusal,
+            detail=f"{refusal.detail}; another hand-off on {resource} is under way",
         )
 
     @staticmethod
@@ -158,6 +186,7 @@ class HandOffs:
             idle_s=other.handoff_idle_s,
             running_jobs=len(self._ledger.entries_for(other.name)),
             loads=self._ledger.loads.on(resource, other.name),
+            failed_at=self._failed_at.get(other.name),
         )
 
     def _priority(self, upstream: UpstreamConfig) -> int:

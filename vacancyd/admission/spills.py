@@ -47,11 +47,16 @@ class SpilledModels:
         return self._by_upstream.get(upstream, ())
 
     def get(self, upstream: str, model: str | None, now: float) -> Spill | None:
-        """The model's spill, if a fresh reading shows one."""
+        """The model's spill, if a fresh reading shows one (or the last one did, and the
+        server cannot be read since)."""
         if model is None:
             return None
+        # While the server cannot be read, what it last showed stands: a spilled model is
+        # not taken for a whole one because /api/ps stopped answering.
+        unreadable = upstream in self.read_error
         for spill in self.of(upstream):
-            if same_model(spill.model, model) and now - spill.seen_at <= SPILL_FRESH_S:
+            fresh = unreadable or now - spill.seen_at <= SPILL_FRESH_S
+            if same_model(spill.model, model) and fresh:
                 return spill
         return None
 

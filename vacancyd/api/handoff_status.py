@@ -30,7 +30,7 @@ def upstream_handoff(
         "can_release": give_way.can_release,
         "cannot_release": None if give_way.can_release else give_way.cannot_release,
         "working_means": give_way.working,
-        "giving_way": upstream.name in ledger.loads.giving_way,
+        "giving_way": ledger.loads.giving_way[upstream.name] > 0,
         "borrowed_loads": [
             {
                 "model": load.model,

@@ -352,7 +352,11 @@ class _OllamaSettings:
 
 def _env_int(environ: Mapping[str, str], key: str) -> int | None:
     text = environ.get(key, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    # ASCII digits only, and not absurdly many: "²" is a digit to str.isdigit and int()
+    # refuses more than 4300 of them; either would throw the whole estimate away.
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        return None
+    return int(text) if int(text) > 0 else None
 
 
 def _ollama_settings(upstream: UpstreamConfig, find_server: FindServer | None) -> _OllamaSettings:

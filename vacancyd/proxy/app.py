@@ -324,20 +324,28 @@ class ProxyApp:
         """In the background: a footprint not learned this time is learned next time, so
         a failure is logged once and never reaches the job-trackers' nursery."""
         assert self.footprints is not None
+        footprints = self.footprints
+        what = f"measuring the load of {job.model or 'a model'}"
+        # Each measurement on its own: one that fails costs the others nothing.
         try:
             if job.host_rss_before_mib is not None:
                 # At once: the job is over, and the server's tree holds what it loaded.
-                after = await self.footprints.host_memory(self.upstream)
-                self.footprints.measure_host(
-                    self.upstream, job.model, job.host_rss_before_mib, after
-                )
-            fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
-            for resource, mib in fell.items():
-                self.footprints.measure(self.upstream.name, job.model, resource, mib)
-            # What a borrower loaded is what a hand-off may later ask the server to let go.
-            self._admission.note_loaded(job, fell)
+                after = await footprints.host_memory(self.upstream)
+                footprints.measure_host(self.upstream, job.model, job.host_rss_before_mib, after)
         except Exception as exc:
-            log_unexpected(log, f"measuring the load of {job.model or 'a model'}", exc)
+            log_unexpected(log, f"{what} in host memory", exc)
+        try:
+            fell = await self._admission.measured_fall(job, timeout_s=MEASURE_WITHIN_S)
+        except Exception as exc:
+            log_unexpected(log, what, exc)
+            return
+        # What a borrower loaded is what a hand-off may later ask the server to let go.
+        self._admission.note_loaded(job, fell)
+        try:
+            for resource, mib in fell.items():
+                footprints.measure(self.upstream.name, job.model, resource, mib)
+        except Exception as exc:
+            log_unexpected(log, what, exc)
 
     def context(self) -> UpstreamContext:
         return UpstreamContext(self._client, self.target, self._credential)
