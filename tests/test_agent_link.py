@@ -239,7 +239,11 @@ async def test_an_agent_started_before_the_daemon_connects_when_it_comes(
         async with fake_daemon(path) as daemon:
             await daemon.wait_until(lambda: len(daemon.reports) >= 1)
     said = [r.getMessage() for r in caplog.records if "cannot connect" in r.getMessage()]
-    assert len(said) == 1, said  # said when it started, not at every retry
+    # Said when it started, not at every retry. The daemon's socket file exists a moment
+    # before it listens, and a retry in that moment meets a refusal instead ("nothing
+    # listens there"): a new reason, said once more.
+    assert "no such socket" in said[0], said
+    assert len(said) == len(set(said)) <= 2, said
 
 
 @pytest.mark.slow
