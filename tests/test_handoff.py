@@ -221,15 +221,38 @@ async def test_an_idle_borrowed_ollama_model_gives_way_to_a_comfyui_borrower(
 async def test_a_hand_off_whose_memory_does_not_come_back_in_time_refuses_and_says_so(
     fake_nvml: FakeNvmlFixture, tmp_path: Path
 ) -> None:
-    # Ollama acknowledges at once but lets the model go only long after the deadline.
-    async with lab(fake_nvml, tmp_path, unload_delay_s=60.0, timeout_s=1.0) as the:
+    # Ollama acknowledges at once but lets the model go only long after the deadline. Its
+    # default footprint is small, so a request for another model fits on the GPU as it is.
+    async with lab(
+        fake_nvml, tmp_path, unload_delay_s=60.0, timeout_s=1.0, first_need_mib=1024
+    ) as the:
         await the.borrower_loaded_chat()
         await the.status_until(
             lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
             "the model idle",
         )
         started = trio.current_time()
-        error = refusal_of(await the.prompt())
+        answers: list[httpx.Response] = []
+        giving_way: list[str] = []
+        async with trio.open_nursery() as nursery:
+
+            async def prompt() -> None:
+                answers.append(await the.prompt())
+
+            nursery.start_soon(prompt)
+            await the.status_until(
+                lambda d: d["upstreams"]["ollama"]["handoff"]["giving_way"], "Ollama giving way"
+            )
+            # While Ollama lets its model go, a borrower of its own is told to come back:
+            # a request admitted now would keep the model it is letting go.
+            own = await the.chat(model="tiny")
+            assert own.status_code == 503, own.text
+            # Ollama's own dialect: {"error": "<reason>: <text>"}.
+            reason, _, text = own.json()["error"].partition(": ")
+            giving_way.append(reason)
+            assert "handing its GPU memory to another server" in text
+        [reply] = answers
+        error = refusal_of(reply)
         assert 1.0 <= trio.current_time() - started < WAIT_S  # held for the deadline, no more
         assert error["code"] == "insufficient_capacity"
         assert "was asked to give memory back, and not enough came back in time" in error["message"]
@@ -238,6 +261,7 @@ async def test_a_hand_off_whose_memory_does_not_come_back_in_time_refuses_and_sa
         assert handoff["gave_way"] == ["ollama"]
         metrics = (await the.http.get(f"{the.api}/metrics")).text
         assert 'vacancyd_handoffs_total{outcome="not_confirmed",upstream="comfy"} 1.0' in metrics
+        assert giving_way == ["resource_busy"]
         # Its own new work waited only while the hand-off ran.
         assert (await the.status())["upstreams"]["ollama"]["handoff"]["giving_way"] is False
         # The next borrower is not held for a second hand-off of the same memory.
@@ -246,6 +270,35 @@ async def test_a_hand_off_whose_memory_does_not_come_back_in_time_refuses_and_sa
         assert trio.current_time() - started < 1.0
         assert "cannot be handed over" in error["message"]
         assert len((await the.status())["handoffs"]) == 1
+
+
+async def test_a_server_of_higher_priority_keeps_its_idle_model(
+    fake_nvml: FakeNvmlFixture, tmp_path: Path
+) -> None:
+    async with lab(fake_nvml, tmp_path, first_priority=5) as the:
+        await the.borrower_loaded_chat()
+        await the.status_until(
+            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
+            "the model idle",
+        )
+        error = refusal_of(await the.prompt())
+        assert "a server has a higher hand-off priority (5 > 0)" in error["message"]
+        assert the.ollama.unloaded == []
+        assert (await the.status())["upstreams"]["ollama"]["handoff"]["priority"] == 5
+
+
+async def test_an_upstream_whose_borrowers_do_not_ask_is_refused_and_told_so(
+    fake_nvml: FakeNvmlFixture, tmp_path: Path
+) -> None:
+    async with lab(fake_nvml, tmp_path, timeout_s=0.0) as the:
+        await the.borrower_loaded_chat()
+        await the.status_until(
+            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
+            "the model idle",
+        )
+        error = refusal_of(await the.prompt())
+        assert "could give way, but this server's borrowers do not ask for it" in error["message"]
+        assert the.ollama.unloaded == []
 
 
 async def test_a_model_with_a_running_job_is_never_evicted(

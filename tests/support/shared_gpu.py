@@ -79,6 +79,7 @@ def two_servers_config(
     first_need_mib: int = 10240,
     spilled_models: str = "charge",
     poll_interval_s: float = 0.2,
+    first_priority: int = 0,
 ) -> str:
     """vacancyd in front of two servers on the one GPU: the one that may give way (`first`,
     named after its adapter) and ComfyUI, each charged 10 GiB of it by default; the host's
@@ -109,6 +110,7 @@ target = "{first_url}"
 resource = "gpu0"
 default_need_mib = {{ gpu0 = {first_need_mib} }}
 handoff_idle_s = {idle_s}
+handoff_priority = {first_priority}
 spilled_models = "{spilled_models}"
 [[upstream]]
 name = "comfy"
