@@ -107,6 +107,13 @@ class Lab:
             "the borrower's load measured",
         )
 
+    async def until_idle(self) -> None:
+        """Until the borrower's load has sat idle for `handoff_idle_s`."""
+        await self.status_until(
+            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
+            "the model idle",
+        )
+
 
 @asynccontextmanager
 async def lab(
@@ -183,10 +190,7 @@ async def test_an_idle_borrowed_ollama_model_gives_way_to_a_comfyui_borrower(
         [load] = document["upstreams"]["ollama"]["handoff"]["borrowed_loads"]
         assert (load["model"], load["resource"]) == (BARE, "gpu0")
         assert load["mib"] == 10 * 1024  # the fall vacancyd measured across the load
-        await the.status_until(
-            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
-            "the model idle",
-        )
+        await the.until_idle()
 
         started = trio.current_time()
         reply = await the.prompt()
@@ -227,10 +231,7 @@ async def test_a_hand_off_whose_memory_does_not_come_back_in_time_refuses_and_sa
         fake_nvml, tmp_path, unload_delay_s=60.0, timeout_s=1.0, first_need_mib=1024
     ) as the:
         await the.borrower_loaded_chat()
-        await the.status_until(
-            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
-            "the model idle",
-        )
+        await the.until_idle()
         started = trio.current_time()
         answers: list[httpx.Response] = []
         giving_way: list[str] = []
@@ -277,10 +278,7 @@ async def test_a_server_of_higher_priority_keeps_its_idle_model(
 ) -> None:
     async with lab(fake_nvml, tmp_path, first_priority=5) as the:
         await the.borrower_loaded_chat()
-        await the.status_until(
-            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
-            "the model idle",
-        )
+        await the.until_idle()
         error = refusal_of(await the.prompt())
         assert "a server has a higher hand-off priority (5 > 0)" in error["message"]
         assert the.ollama.unloaded == []
@@ -292,10 +290,7 @@ async def test_an_upstream_whose_borrowers_do_not_ask_is_refused_and_told_so(
 ) -> None:
     async with lab(fake_nvml, tmp_path, timeout_s=0.0) as the:
         await the.borrower_loaded_chat()
-        await the.status_until(
-            lambda d: d["upstreams"]["ollama"]["handoff"]["borrowed_loads"][0]["idle_s"] >= IDLE_S,
-            "the model idle",
-        )
+        await the.until_idle()
         error = refusal_of(await the.prompt())
         assert "could give way, but this server's borrowers do not ask for it" in error["message"]
         assert the.ollama.unloaded == []
