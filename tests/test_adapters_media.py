@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from tests.support.fake_comfyui import graph
 from tests.test_classify import FORWARDED, QUERIES, disguises
-from vacancyd.adapters import RouteClass, adapter_for
 from vacancyd.adapters.chatterbox import CHATTERBOX
 from vacancyd.adapters.comfyui import COMFYUI, model_in_graph
-from vacancyd.adapters.registry import adapter_names
+from vacancyd.adapters.registry import adapter_for, adapter_names
+from vacancyd.adapters.routes import RouteClass
 
 CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vacancyd.adapters import Adapter, Classification, RouteClass, adapter_for
-from vacancyd.adapters.base import remove_dot_segments
+from vacancyd.adapters.base import Adapter, remove_dot_segments
+from vacancyd.adapters.registry import adapter_for
+from vacancyd.adapters.routes import Classification, RouteClass
 
 ADAPTERS = ("openai", "llamacpp", "ollama")
 FORWARDED = {RouteClass.PASS, RouteClass.RESULTS, RouteClass.WORK}

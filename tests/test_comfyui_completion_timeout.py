@@ -32,8 +32,8 @@ from tests.support.configs import config_from
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
-from vacancyd.adapters import adapter_for
 from vacancyd.adapters.actions import UpstreamContext
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Admission, Ledger, Phase, Reservation
 from vacancyd.config import Config, parse_target
 from vacancyd.decisions import DecisionLog

@@ -22,7 +22,7 @@ from tests.support.daemon import host_port, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
 from tests.support.upstreams import EchoUpstream
-from vacancyd.adapters import adapter_for
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.config import Management
 from vacancyd.errors import ConfigError
 from vacancyd.proxy.policy import RequestHead, preflight

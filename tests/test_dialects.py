@@ -16,8 +16,8 @@ import pytest
 
 from tests.support.clients import lender_config
 from tests.support.daemon import in_process_daemon
-from vacancyd.adapters import Dialect, RouteClass, adapter_for
-from vacancyd.adapters.registry import adapter_names
+from vacancyd.adapters.registry import adapter_for, adapter_names
+from vacancyd.adapters.routes import Dialect, RouteClass
 from vacancyd.proxy.dialects import StreamTail, error_body, stream_error
 
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vacancyd.adapters import RouteClass, adapter_for
-from vacancyd.adapters.registry import adapter_names
-from vacancyd.auth import AuthResult
+from vacancyd.access import AuthResult
+from vacancyd.adapters.registry import adapter_for, adapter_names
+from vacancyd.adapters.routes import RouteClass
 from vacancyd.config import Management
 from vacancyd.proxy.policy import (
     Forward,

@@ -46,8 +46,8 @@ from tests.support.configs import one_upstream_config
 from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.plain_upstream import PlainUpstream, Recorded
 from tests.support.upstreams import EchoUpstream
-from vacancyd.adapters import RouteClass
 from vacancyd.adapters.registry import adapter_for, adapter_names
+from vacancyd.adapters.routes import RouteClass
 
 ADAPTERS = adapter_names()
 # Routes an adapter declares as WebSockets: an upgrade there is expected, not smuggling.

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from tests.support.configs import config_from
-from vacancyd.adapters import adapter_for
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Ledger, Reservation
 from vacancyd.collect.nvml import HeatReading
 from vacancyd.collect.nvml.heat import HeatWatch

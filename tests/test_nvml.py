@@ -45,6 +45,7 @@ from vacancyd.collect.nvml import (
     PciAddress,
     run_nvml_collector,
 )
+from vacancyd.collect.nvml.binding import NvmlError, NvmlLibrary
 from vacancyd.config import Config
 from vacancyd.gate import decide
 from vacancyd.model import ModelNeed, Observation, OwnerScope, Quality, Reason, Refuse
@@ -197,6 +198,26 @@ def test_fake_library_behaves_like_nvml_where_the_collector_relies_on_it(
         pynvml.nvmlDeviceGetCount()
     assert fake_nvml.library.refcount() == before
     assert "nvmlDeviceGetHandleByPciBusId_v2" in fake_nvml.log.symbols()
+
+
+def test_the_binding_lets_no_pynvml_error_out(fake_nvml: FakeNvmlFixture) -> None:
+    """The collector catches NvmlError only, so a pynvml exception escaping the binding
+    would be an unhandled failure in a poll: every binding call translates it, keeping
+    NVML's code and pynvml's own text."""
+    library = NvmlLibrary()
+    with pytest.raises(NvmlError) as no_driver:
+        library.start()  # no state file: no driver
+    assert not isinstance(no_driver.value, pynvml.NVMLError)
+    assert no_driver.value.code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    assert str(no_driver.value) == str(pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    fake_nvml.state.write(two_gpus())
+    library.start()
+    try:
+        with pytest.raises(NvmlError) as bad_index:
+            library.open_by_index(7)
+        assert bad_index.value.code == pynvml.NVML_ERROR_INVALID_ARGUMENT
+    finally:
+        library.stop()
 
 
 def test_rendered_state_names_every_field() -> None:

@@ -48,9 +48,9 @@ from hypothesis import strategies as st
 
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.echo_process import echo_process
-from vacancyd.adapters import Dialect, RouteClass, adapter_for
 from vacancyd.adapters.comfyui import MODEL_INPUTS
-from vacancyd.adapters.registry import adapter_names
+from vacancyd.adapters.registry import adapter_for, adapter_names
+from vacancyd.adapters.routes import Dialect, RouteClass
 from vacancyd.json_input import MAX_DEPTH
 
 # A real daemon and a real upstream, each in a process of its own.

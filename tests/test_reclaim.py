@@ -16,8 +16,8 @@ import trio
 import trio.testing
 
 from tests.support.configs import config_from
-from vacancyd.adapters import adapter_for
 from vacancyd.adapters.actions import CancelReport, JobState, UnloadReport, UpstreamContext
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.config import Config
 from vacancyd.model import (

@@ -22,7 +22,6 @@ from tests.support.fake_comfyui import FakeComfyUI, QueueItem, graph
 from tests.support.fake_http import serve_fake
 from tests.support.fake_ollama import GIB, FakeOllama, Model
 from tests.support.upstreams import Seen
-from vacancyd.adapters import adapter_for
 from vacancyd.adapters.actions import (
     CancelReport,
     ReclaimActions,
@@ -33,6 +32,7 @@ from vacancyd.adapters.comfyui import describe_submission
 from vacancyd.adapters.comfyui_actions import ALL_MODELS, ComfyUIActions
 from vacancyd.adapters.comfyui_reads import parse_system_stats, scan_queue_prefix
 from vacancyd.adapters.ollama_actions import OllamaActions, ResidentModel, parse_ps
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.config import parse_target
 
 MIB = 1024 * 1024

@@ -38,7 +38,7 @@ from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
 from tests.support.upstreams import EchoUpstream
-from vacancyd.adapters import adapter_for
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Admission, Ledger, Phase
 from vacancyd.auth import Authenticator
 from vacancyd.config import parse_listen

@@ -31,7 +31,7 @@ import trio.testing
 from tests.support.configs import config_from
 from tests.support.daemon import host_port
 from tests.support.upstreams import EchoUpstream
-from vacancyd.adapters import adapter_for
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Admission, Ledger, Phase, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import parse_listen

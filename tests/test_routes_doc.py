@@ -14,8 +14,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from vacancyd.adapters import RouteClass, adapter_for
-from vacancyd.adapters.registry import adapter_names
+from vacancyd.adapters.registry import adapter_for, adapter_names
+from vacancyd.adapters.routes import RouteClass
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "routes.md"
 SAMPLE_SEGMENT = "x-1.safetensors"

@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import attrs
 
+from vacancyd.access import AuthResult
 from vacancyd.accounting import ANONYMOUS, LOCAL
 from vacancyd.config import AuthConfig, Scope, is_loopback_host
 from vacancyd.errors import StartupError
@@ -25,17 +26,6 @@ from vacancyd.persist import UntrustedFile, daemon_uid, read_private_bytes
 
 # A token or credential is a line of text; a larger file is not one, and is not read.
 MAX_TOKEN_FILE_BYTES: Final = 64 * 1024
-
-
-@attrs.frozen
-class AuthResult:
-    allowed: bool
-    status: int = 200
-    code: str = ""
-    message: str = ""
-    # Who was let in, for per-borrower accounting: the matching token's name, LOCAL for
-    # a trusted loopback caller, or ANONYMOUS where no token guards the scope.
-    token_name: str = ""
 
 
 @attrs.frozen

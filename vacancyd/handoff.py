@@ -17,8 +17,8 @@ import logging
 import httpx
 import trio
 
-from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import NOTHING_LOADED, UnloadReport, UpstreamContext
+from vacancyd.adapters.base import Adapter
 from vacancyd.admission import Ledger
 from vacancyd.admission.memory_back import CONFIRM_POLL_S, CONFIRM_SHARE, wait_for_memory_back
 from vacancyd.config import UpstreamConfig, parse_target

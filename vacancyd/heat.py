@@ -33,7 +33,7 @@ import math
 
 import attrs
 
-from vacancyd.config import HeatConfig
+from vacancyd.config.schema import HeatConfig
 from vacancyd.model import HeatView, Quality
 
 # Clock event reasons (as binding.py words them) that mean the card is too hot or draws

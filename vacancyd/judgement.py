@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 import attrs
 
-from vacancyd.config import OwnerConfig, ResourceConfig
+from vacancyd.config.schema import OwnerConfig, ResourceConfig
 from vacancyd.model import (
     MIB,
     HeatView,

@@ -35,8 +35,8 @@ import attrs
 import httpx
 import trio
 
-from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamContext
+from vacancyd.adapters.base import Adapter
 from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.admission.memory_back import CONFIRM_POLL_S, CONFIRM_SHARE, wait_for_memory_back
 from vacancyd.config import UpstreamConfig, parse_target

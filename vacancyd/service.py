@@ -40,7 +40,8 @@ from typing import Any
 import attrs
 import trio
 
-from vacancyd.adapters import Adapter, adapter_for
+from vacancyd.adapters.base import Adapter
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Admission, Ledger, Prove
 from vacancyd.admission.handoff import ServerTerms
 from vacancyd.api.app import create_api_app

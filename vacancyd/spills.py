@@ -19,8 +19,8 @@ import math
 import httpx
 import trio
 
-from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamCallError, UpstreamContext
+from vacancyd.adapters.base import Adapter
 from vacancyd.admission import Ledger
 from vacancyd.admission.spills import SpillUnload, same_model
 from vacancyd.config import UpstreamConfig, parse_target

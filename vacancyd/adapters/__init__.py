@@ -2,28 +2,9 @@
 
 No module outside this package names a product. The proxy asks an adapter to classify a
 request and to read what it needs from a body; everything product-specific stays here.
+
+The package imports nothing itself, so a pure rule can import `routes` (the route table,
+classification and `RouteRules`) without the HTTP client and trio that `actions`,
+`residency` and the products' modules need. `base` holds `Adapter`; `registry` finds one
+by name (`adapter_for`).
 """
-
-from vacancyd.adapters.actions import (
-    CancelReport,
-    JobState,
-    ReclaimActions,
-    UnloadReport,
-    UpstreamContext,
-)
-from vacancyd.adapters.base import Adapter, Classification, Dialect, RouteClass, WorkFacts
-from vacancyd.adapters.registry import adapter_for
-
-__all__ = [
-    "Adapter",
-    "CancelReport",
-    "Classification",
-    "Dialect",
-    "JobState",
-    "ReclaimActions",
-    "RouteClass",
-    "UnloadReport",
-    "UpstreamContext",
-    "WorkFacts",
-    "adapter_for",
-]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vacancyd.config import ResourceConfig, UpstreamConfig
+from vacancyd.config.schema import ResourceConfig, UpstreamConfig
 from vacancyd.model import FootprintHint, ModelNeed
 
 CONFIGURED = "configured"

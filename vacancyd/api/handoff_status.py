@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vacancyd.adapters import adapter_for
+from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Ledger
 from vacancyd.config import UpstreamConfig
 from vacancyd.decisions import DecisionLog

@@ -23,9 +23,10 @@ from typing import Any
 
 import trio
 
-from vacancyd.adapters import Adapter, Classification, WorkFacts
 from vacancyd.adapters.actions import ReclaimActions, UpstreamContext
+from vacancyd.adapters.base import Adapter
 from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
+from vacancyd.adapters.routes import Classification, WorkFacts
 from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, UpstreamConfig, parse_target

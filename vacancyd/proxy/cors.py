@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from vacancyd.adapters import Classification
+from vacancyd.adapters.routes import Classification
 from vacancyd.proxy.headers import header_value
 from vacancyd.refusals import EXPOSED_HEADERS
 

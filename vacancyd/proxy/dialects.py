@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vacancyd.adapters import Dialect
+from vacancyd.adapters.routes import Dialect
 
 SSE = b"text/event-stream"
 NDJSON = b"application/x-ndjson"

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from vacancyd.adapters import Classification
+from vacancyd.adapters.routes import Classification
 from vacancyd.admission import Admission, Reservation
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig
 from vacancyd.errors import UpstreamUnavailable, quiet_detail

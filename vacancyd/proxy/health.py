@@ -19,8 +19,8 @@ import logging
 
 import trio
 
-from vacancyd.adapters import Adapter
 from vacancyd.adapters.actions import UpstreamCallError, UpstreamContext, call
+from vacancyd.adapters.base import Adapter
 from vacancyd.errors import log_unexpected
 from vacancyd.reachability import Reachability
 from vacancyd.state import SharedState

@@ -40,9 +40,9 @@ from collections.abc import Collection, Sequence
 
 import attrs
 
-from vacancyd.adapters import Adapter, Classification, RouteClass
-from vacancyd.auth import AuthResult
-from vacancyd.config import Management
+from vacancyd.access import AuthResult
+from vacancyd.adapters.routes import Classification, RouteClass, RouteRules
+from vacancyd.config.schema import Management
 from vacancyd.proxy.cors import is_allowed, is_preflight
 from vacancyd.proxy.headers import from_another_origin, header_value, is_cross_origin
 
@@ -88,7 +88,7 @@ class Preflight:
 ANYONE = AuthResult(True, token_name="preflight")
 
 
-def preflight(head: RequestHead, adapter: Adapter, management: Management) -> Preflight | None:
+def preflight(head: RequestHead, adapter: RouteRules, management: Management) -> Preflight | None:
     """A preflight whose method and path `front_door` would forward, else None (the head
     then goes through the front door like any other, and an OPTIONS request is refused
     there as a route no adapter recognises)."""
@@ -108,7 +108,7 @@ def preflight(head: RequestHead, adapter: Adapter, management: Management) -> Pr
 
 def front_door(
     head: RequestHead,
-    adapter: Adapter,
+    adapter: RouteRules,
     management: Management,
     auth: AuthResult,
     cors_origins: Collection[str] = (),
@@ -156,7 +156,7 @@ def front_door(
 
 
 def _unlisted_refusal(
-    method: str, found: Classification, adapter: Adapter, management: Management
+    method: str, found: Classification, adapter: RouteRules, management: Management
 ) -> Refusal | None:
     """Management reads and unknown routes: refused unless the operator allows reads."""
     if method not in ("GET", "HEAD"):
@@ -180,7 +180,7 @@ def _unlisted_refusal(
 
 
 def _from_a_refused_page(
-    head: RequestHead, adapter: Adapter, found: Classification, cors_origins: Collection[str]
+    head: RequestHead, adapter: RouteRules, found: Classification, cors_origins: Collection[str]
 ) -> bool:
     """Whether a browser page of another origin sent this head, and may not.
 

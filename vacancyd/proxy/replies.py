@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from vacancyd.adapters import Dialect
+from vacancyd.adapters.routes import Dialect
 from vacancyd.model import Reason, Refuse
 from vacancyd.proxy.dialects import error_body
 from vacancyd.refusals import NO_VACANCY_STATUS, advice_headers, refusal_status

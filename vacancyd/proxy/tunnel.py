@@ -41,7 +41,8 @@ import attrs
 import h11
 import trio
 
-from vacancyd.adapters import Adapter, Dialect
+from vacancyd.adapters.base import Adapter
+from vacancyd.adapters.routes import Dialect
 from vacancyd.admission import Admission
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig

@@ -1,15 +1,19 @@
 """The NVML library binding: the only module that imports pynvml.
 
 Every call here blocks in the driver and must run on a worker thread under a deadline
-(the broker in collector.py does that). Methods raise pynvml.NVMLError as NVML reports
-it; `error_code` reads its code, and SESSION_BROKEN lists the codes after which nothing
-from this library session can be trusted again.
+(the broker in collector.py does that). Methods raise NvmlError, this module's
+translation of pynvml's NVMLError, so that the rest of the collector never touches
+pynvml (an import contract holds it to that); `error_code` reads its code, and
+SESSION_BROKEN lists the codes after which nothing from this library session can be
+trusted again.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, TypeAlias
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeAlias, TypeVar
 
 import attrs
 import pynvml
@@ -18,6 +22,12 @@ from vacancyd.collect.nvml.naming import DeviceIdentity
 
 # An opaque nvmlDevice_t as pynvml hands it out; only ever passed back to pynvml.
 DeviceHandle: TypeAlias = Any
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+# NVML's "this GPU or driver does not do that": an answer, not a fault.
+NOT_SUPPORTED = int(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
 # NVML codes after which a handle (or the whole library session) cannot be trusted again
 # until NVML is initialised afresh.
@@ -74,9 +84,36 @@ def clock_event_words(mask: int) -> tuple[str, ...]:
     return tuple(words)
 
 
+class NvmlError(Exception):
+    """An NVML call that failed: the code NVML returned (None if it gave none) and its text.
+
+    Its text is pynvml's own (`str()` of the NVMLError), so what /status and the log say
+    is unchanged by the translation.
+    """
+
+    def __init__(self, code: int | None, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+
+
 def error_code(exc: BaseException) -> int | None:
+    if isinstance(exc, NvmlError):
+        return exc.code
     value = getattr(exc, "value", None)
     return value if isinstance(value, int) else None
+
+
+def _translated(call: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Let no pynvml exception out of a binding call: callers catch NvmlError only."""
+
+    @functools.wraps(call)
+    def translating(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return call(*args, **kwargs)
+        except pynvml.NVMLError as exc:
+            raise NvmlError(error_code(exc), str(exc)) from exc
+
+    return translating
 
 
 def _text(value: object) -> str:
@@ -145,7 +182,7 @@ class NvmlLibrary:
     """Blocking calls into NVML through pynvml.
 
     Every method blocks in the driver and must run on a worker thread (the collector runs
-    each under its deadline). Methods raise pynvml.NVMLError as NVML reports it.
+    each under its deadline). Methods raise NvmlError with the code NVML reported.
     """
 
     def __init__(self) -> None:
@@ -154,6 +191,7 @@ class NvmlLibrary:
         # Drivers before 535 have only the older name of the clock event reasons call.
         self._event_reasons = True
 
+    @_translated
     def start(self) -> LibrarySession:
         """Initialise NVML (reference counted) and read what enumeration found.
 
@@ -170,9 +208,11 @@ class NvmlLibrary:
             raise
         return LibrarySession(driver_version=driver, device_count=count)
 
+    @_translated
     def stop(self) -> None:
         pynvml.nvmlShutdown()
 
+    @_translated
     def open_by_index(self, index: int) -> OpenedDevice:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         pci = pynvml.nvmlDeviceGetPciInfo(handle)
@@ -184,6 +224,7 @@ class NvmlLibrary:
         )
         return OpenedDevice(handle=handle, identity=identity)
 
+    @_translated
     def read(self, handle: DeviceHandle) -> GpuReading:
         """Free and total memory and GPU utilisation: the capacity sample."""
         reserved: int | None = None
@@ -209,11 +250,12 @@ class NvmlLibrary:
             utilization_pct=utilization,
         )
 
+    @_translated
     def heat(self, handle: DeviceHandle) -> HeatReading:
         """The GPU's core temperature and its clock event reasons: the heat sample.
 
-        A GPU that does not report its temperature raises NVMLError_NotSupported, which
-        the caller must treat as no reading. One that reports the temperature but not
+        A GPU that does not report its temperature raises NvmlError with NOT_SUPPORTED,
+        which the caller must treat as no reading. One that reports the temperature but not
         its reasons is read on the temperature alone (`throttle_reasons` None).
         """
         temperature = int(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
@@ -235,12 +277,15 @@ class NvmlLibrary:
                 self._event_reasons = False
         return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
 
+    @_translated
     def compute_processes(self, handle: DeviceHandle) -> tuple[GpuProcess, ...]:
         return _processes(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
 
+    @_translated
     def graphics_processes(self, handle: DeviceHandle) -> tuple[GpuProcess, ...]:
         return _processes(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
 
+    @_translated
     def process_utilization(self, handle: DeviceHandle, last_seen_us: int) -> ProcessUtilization:
         """SM use per process from samples newer than `last_seen_us` (0: all buffered).
 

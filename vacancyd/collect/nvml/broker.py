@@ -27,13 +27,13 @@ from functools import partial
 from typing import TypeVar
 
 import attrs
-import pynvml
 import trio
 
 from vacancyd.collect.nvml.binding import (
     SESSION_BROKEN,
     DeviceHandle,
     LibrarySession,
+    NvmlError,
     NvmlLibrary,
     OpenedDevice,
     ProcessUtilization,
@@ -194,7 +194,7 @@ class NvmlBroker:
             self._set_note(f"NVML initialisation did not answer within {self.deadline_s:g}s")
             self._fail_all(self._note)
             return False
-        except pynvml.NVMLError as exc:
+        except NvmlError as exc:
             self._set_note(describe_start_failure(exc))
             self._fail_all(self._note)
             return False
@@ -224,13 +224,13 @@ class NvmlBroker:
                 while self._held:
                     self._library.stop()
                     self._held -= 1
-            except pynvml.NVMLError:
+            except NvmlError:
                 self._held = 0  # NVML no longer counts them either
                 raise
 
         try:
             await self._library_lane.call(stop_all, self.deadline_s)
-        except (ProbeTimeout, pynvml.NVMLError) as exc:
+        except (ProbeTimeout, NvmlError) as exc:
             log.warning("NVML shutdown failed: %s", exc)
 
     async def release(self) -> None:
@@ -293,7 +293,7 @@ class NvmlBroker:
             )
         except ProbeTimeout:
             found[index] = f"NVML did not answer within {self.deadline_s:g}s for GPU {index}"
-        except pynvml.NVMLError as exc:
+        except NvmlError as exc:
             found[index] = f"NVML could not open GPU {index}: {exc}"
             if error_code(exc) in SESSION_BROKEN:
                 broken.add(index)
@@ -402,7 +402,7 @@ class NvmlBroker:
             raise GpuUnavailable(
                 f"NVML did not answer within {self.deadline_s:g}s for {gpu.label}"
             ) from exc
-        except pynvml.NVMLError as exc:
+        except NvmlError as exc:
             if error_code(exc) in SESSION_BROKEN:
                 self.nvml_error(gpu, opened, exc)
             raise

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-import pynvml
 import trio
 
 from vacancyd.collect.nvml.binding import (
     DeviceHandle,
     GpuReading,
+    NvmlError,
     NvmlLibrary,
     OpenedDevice,
     ProcessUtilization,
@@ -138,7 +138,7 @@ class NvmlCollector:
                     broker.fail(gpu, why)
                     self._heat.observe(gpu.name, why, asked_at)
                     return  # the call is stuck; later polls report it, none are stacked
-                except pynvml.NVMLError as exc:
+                except NvmlError as exc:
                     broker.nvml_error(gpu, opened, exc)
                     self._heat.observe(gpu.name, gpu.problem, asked_at)
                 else:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 
-import pynvml
-
 from vacancyd.collect.nvml.binding import (
+    NOT_SUPPORTED,
     SESSION_BROKEN,
     DeviceHandle,
     GpuReading,
     HeatReading,
+    NvmlError,
     NvmlLibrary,
     error_code,
 )
@@ -48,10 +48,10 @@ def sample_gpu(
         return reading, None
     try:
         return reading, library.heat(handle)
-    except pynvml.NVMLError as exc:
+    except NvmlError as exc:
         if error_code(exc) in SESSION_BROKEN:
             raise
-        if error_code(exc) == pynvml.NVML_ERROR_NOT_SUPPORTED:
+        if error_code(exc) == NOT_SUPPORTED:
             return reading, f"this GPU does not report its temperature (NVML: {exc})"
         return reading, f"NVML could not read the temperature and throttle reasons: {exc}"
 
