@@ -99,14 +99,29 @@ BAD_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
     "empty": (saying(b""), "not JSON"),
     "corrupt": (saying(b'{"vacancyd_state": "holds", '), "not JSON"),
     "foreign": (holds_file("calibration", {"holds": []}), "not a vacancyd holds"),
-    "no-list": (holds_file(HOLDS_KIND, {"holds": "ram"}), "no list of holds"),
-    "not-a-table": (holds_file(HOLDS_KIND, {"holds": [42]}), "not a table"),
+    "no-list": (holds_file(HOLDS_KIND, {"holds": "ram"}), "holds: expected a list, got 'ram'"),
+    "not-a-table": (holds_file(HOLDS_KIND, {"holds": [42]}), "holds[0]: expected a table"),
     "no-reason": (
         holds_file(HOLDS_KIND, {"holds": [hold_entry(reason=None)]}),
-        "no upstream or reason",
+        "holds[0].reason: expected a string, got None",
     ),
-    "bad-job-ids": (holds_file(HOLDS_KIND, {"holds": [hold_entry(job_ids="p-1")]}), "job_ids"),
-    "bad-borrower": (holds_file(HOLDS_KIND, {"holds": [hold_entry(borrower=7)]}), "borrower"),
+    "no-resources": (
+        holds_file(HOLDS_KIND, {"holds": [hold_entry(resources=[])]}),
+        "holds[0]: the hold names no resources",
+    ),
+    # A key vacancyd never writes: the file is not what it wrote.
+    "unknown-key": (
+        holds_file(HOLDS_KIND, {"holds": [hold_entry(pid=4242)]}),
+        "holds[0]: unknown key(s): pid",
+    ),
+    "bad-job-ids": (
+        holds_file(HOLDS_KIND, {"holds": [hold_entry(job_ids="p-1")]}),
+        "holds[0].job_ids: expected a list",
+    ),
+    "bad-borrower": (
+        holds_file(HOLDS_KIND, {"holds": [hold_entry(borrower=7)]}),
+        "holds[0].borrower: expected a string",
+    ),
     "symlink": (symlink_elsewhere, "symbolic link"),
     "other-owner": (foreign_owner, f"owned by uid {NOBODY}"),
     "group-readable": (holds_file(HOLDS_KIND, {"holds": []}, 0o640), "mode 0640"),

@@ -16,7 +16,7 @@ import trio.testing
 
 from tests.support.configs import BASIC, config_from
 from vacancyd.admission import Admission, Event, Ledger, Phase, Prove, Reservation, Share
-from vacancyd.admission.phases import TRANSITIONS, next_phase
+from vacancyd.admission.phases import TRANSITIONS, IllegalMove, next_phase
 from vacancyd.config import UpstreamConfig
 from vacancyd.decisions import DecisionLog
 from vacancyd.model import (
@@ -34,18 +34,19 @@ from vacancyd.state import SharedState
 
 # -- the lifecycle table -------------------------------------------------------------------
 
-EXPECTED = {
+ILLEGAL = None
+EXPECTED: dict[Phase, dict[Event, Phase | None]] = {
     Phase.FORWARDING: {
         Event.TRACK: Phase.TRACKING,
         Event.HOLD: Phase.HELD,
         Event.END: Phase.RELEASED,
-        Event.PROVEN_STOPPED: Phase.RELEASED,
+        Event.PROVEN_STOPPED: ILLEGAL,  # only a held job is proven stopped
     },
     Phase.TRACKING: {
-        Event.TRACK: Phase.TRACKING,
+        Event.TRACK: ILLEGAL,  # an exchange ends once
         Event.HOLD: Phase.HELD,
         Event.END: Phase.RELEASED,
-        Event.PROVEN_STOPPED: Phase.RELEASED,
+        Event.PROVEN_STOPPED: ILLEGAL,
     },
     # A held job's connection ending proves nothing: only proof or an admin ends it.
     Phase.HELD: {
@@ -54,7 +55,12 @@ EXPECTED = {
         Event.END: Phase.HELD,
         Event.PROVEN_STOPPED: Phase.RELEASED,
     },
-    Phase.RELEASED: dict.fromkeys(Event, Phase.RELEASED),
+    Phase.RELEASED: {
+        Event.TRACK: Phase.RELEASED,
+        Event.HOLD: Phase.RELEASED,
+        Event.END: Phase.RELEASED,
+        Event.PROVEN_STOPPED: ILLEGAL,
+    },
 }
 
 
@@ -62,7 +68,12 @@ EXPECTED = {
     ("phase", "event"), list(itertools.product(Phase, Event)), ids=lambda v: v.value
 )
 def test_every_phase_and_event_has_its_row(phase: Phase, event: Event) -> None:
-    assert next_phase(phase, event) is EXPECTED[phase][event]
+    expected = EXPECTED[phase][event]
+    if expected is ILLEGAL:
+        with pytest.raises(IllegalMove):
+            next_phase(phase, event)
+    else:
+        assert next_phase(phase, event) is expected
 
 
 def test_the_table_has_no_rows_beyond_the_pairs() -> None:
@@ -150,6 +161,28 @@ async def test_a_phase_changes_only_by_the_table() -> None:
     assert job.phase is Phase.RELEASED and ledger.holder("ram") is None
     ledger.hold(job, "too late")  # a released job cannot be held again
     assert job.phase is Phase.RELEASED and ledger.holder("ram") is None
+
+
+async def test_an_illegal_move_raises_and_changes_nothing() -> None:
+    ledger = Ledger(ready_state())
+    job = ledger.try_reserve("llama", ("ram",), "m")
+    assert isinstance(job, Reservation)
+    ledger.track(job)
+    with pytest.raises(IllegalMove, match="tracking cannot take the event track"):
+        ledger.track(job)
+    assert job.phase is Phase.TRACKING and ledger.holder("ram") is job
+
+
+async def test_entering_a_hold_records_its_reason_and_a_second_hold_keeps_the_first() -> None:
+    ledger = Ledger(ready_state())
+    job = ledger.try_reserve("llama", ("ram",), "m")
+    assert isinstance(job, Reservation)
+    assert (job.hold_reason, job.held_since) == ("", "")
+    ledger.hold(job, "cut on a server that keeps working")
+    since = job.held_since
+    assert job.hold_reason == "cut on a server that keeps working" and since
+    ledger.hold(job, "a later reclaim")
+    assert (job.hold_reason, job.held_since) == ("cut on a server that keeps working", since)
 
 
 # -- residency credit in admission ---------------------------------------------------------

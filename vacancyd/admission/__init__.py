@@ -18,16 +18,16 @@ from vacancyd.admission.gatekeeper import (
 from vacancyd.admission.holds import HOLDS_KIND
 from vacancyd.admission.ledger import Ledger, LedgerStatistics
 from vacancyd.admission.need import need_for
-from vacancyd.admission.phases import HOLDING, Event, Phase
+from vacancyd.admission.phases import Event, IllegalMove, Phase
 from vacancyd.admission.reservation import RelayHandle, Reservation, Share
 
 __all__ = [
-    "HOLDING",
     "HOLDS_KIND",
     "POST_RELEASE_WAIT_S",
     "PROOF_MAX_AGE_S",
     "Admission",
     "Event",
+    "IllegalMove",
     "Ledger",
     "LedgerStatistics",
     "Phase",

@@ -19,9 +19,14 @@ refuses until an admin clears that, which needs the file to be writable again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from vacancyd.accounting import UNKNOWN
+from vacancyd.config.strict import StrictProblems, structure
 from vacancyd.model import RETRY_JOB_HELD, Reason, Refuse
 from vacancyd.persist import (
     StateFileProblem,
@@ -33,6 +38,36 @@ from vacancyd.persist import (
 )
 
 log = logging.getLogger("vacancyd.admission")
+
+
+def _strings(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _some_resources(_: Any, field: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    if not value:
+        raise ValueError("the hold names no resources")
+
+
+@attrs.frozen(kw_only=True)
+class SavedHold:
+    """One durable hold as the file keeps it (the fields in the order they are written)."""
+
+    # The run's own number for the job; a restored hold gets a new one.
+    job_id: int | None = None
+    upstream: str
+    borrower: str = UNKNOWN
+    resources: tuple[str, ...] = attrs.field(converter=_strings, validator=_some_resources)
+    model: str | None = None
+    job_ids: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    reason: str
+    since: str = ""
+
+
+@attrs.frozen
+class SavedHolds:
+    holds: tuple[SavedHold, ...] = attrs.field(converter=tuple)
+
 
 HOLDS_KIND = "holds"
 
@@ -78,14 +113,14 @@ class HoldsFile:
         # move aside when it is cleared, only a write to make).
         self._unverified = False
 
-    def load(self, known_resources: set[str]) -> list[dict[str, Any]]:
+    def load(self, known_resources: set[str]) -> list[SavedHold]:
         """The saved holds naming only known resources, with those of a copy an earlier run
         left in the runtime directory. An untrusted file sets `unreadable`; the holds of
         the other file, if it can be trusted, are still returned, so that clearing the
         untrusted one keeps them."""
         if self.path is None:
             return []
-        entries: list[dict[str, Any]] = []
+        entries: list[SavedHold] = []
         for path in (self.path, self.copy_path):
             if path is None:
                 continue
@@ -99,9 +134,9 @@ class HoldsFile:
                     consequence=UNREADABLE_HOLDS_CONSEQUENCE,
                     resources=tuple(sorted(known_resources)),
                 )
-        kept: list[dict[str, Any]] = []
+        kept: list[SavedHold] = []
         for entry in entries:
-            unknown = [name for name in entry["resources"] if name not in known_resources]
+            unknown = [name for name in entry.resources if name not in known_resources]
             if unknown:
                 log.warning(
                     "ignoring saved hold %r: resources no longer configured: %s",
@@ -113,7 +148,7 @@ class HoldsFile:
                 kept.append(entry)
         return kept
 
-    def save(self, held: list[dict[str, Any]]) -> str | None:
+    def save(self, held: list[SavedHold]) -> str | None:
         """Write the holds now; None when they are saved, else why not (also reported)."""
         if self.path is None:
             return None
@@ -124,7 +159,7 @@ class HoldsFile:
             )
             return f"{self.path} is untrusted until an admin clears it"
         try:
-            write_json(self.path, HOLDS_KIND, {"holds": held})
+            write_json(self.path, HOLDS_KIND, unstructured(held))
         except OSError as exc:
             return self._unsaved(held, f"cannot be written: {exc.strerror or exc}")
         if self.not_saved is not None:
@@ -134,7 +169,7 @@ class HoldsFile:
         self._drop_copy()
         return None
 
-    def _unsaved(self, held: list[dict[str, Any]], why: str) -> str:
+    def _unsaved(self, held: list[SavedHold], why: str) -> str:
         assert self.path is not None
         copied = self._save_copy(held)
         log.error("cannot save durable holds to %s: %s; %s", self.path, why, copied)
@@ -145,17 +180,17 @@ class HoldsFile:
                 kind=HOLDS_KIND,
                 reason=why,
                 consequence=f"{UNSAVED_HOLDS_CONSEQUENCE}; {copied}",
-                resources=tuple(sorted({name for entry in held for name in entry["resources"]})),
+                resources=tuple(sorted({name for entry in held for name in entry.resources})),
             )
         )
         return f"{self.path} {why}"
 
-    def _save_copy(self, held: list[dict[str, Any]]) -> str:
+    def _save_copy(self, held: list[SavedHold]) -> str:
         """Keep the holds in the runtime directory; says where, or why not, for the log."""
         if self.copy_path is None:
             return "no runtime directory to keep a copy in"
         try:
-            write_json(self.copy_path, HOLDS_KIND, {"holds": held})
+            write_json(self.copy_path, HOLDS_KIND, unstructured(held))
         except OSError as exc:
             return f"the copy in {self.copy_path} cannot be written either ({exc.strerror})"
         return f"a copy is kept in {self.copy_path} for a restart"
@@ -181,9 +216,7 @@ class HoldsFile:
         )
         return self.unreadable
 
-    def clear(
-        self, why: str, held: list[dict[str, Any]]
-    ) -> tuple[StateFileProblem, Path | None] | None:
+    def clear(self, why: str, held: list[SavedHold]) -> tuple[StateFileProblem, Path | None] | None:
         """Move the untrusted file aside; the problem it was and where the file went, or
         None if there was nothing to clear. OSError (still refusing) if it cannot move.
 
@@ -194,7 +227,7 @@ class HoldsFile:
             return None
         moved: Path | None = None
         if self._unverified:
-            write_json(self.path, HOLDS_KIND, {"holds": held})
+            write_json(self.path, HOLDS_KIND, unstructured(held))
         else:
             try:
                 moved = move_aside(Path(problem.path))
@@ -227,44 +260,25 @@ def unreadable_refusal(resource: str, problem: StateFileProblem) -> Refuse:
     )
 
 
-def saved_holds(path: Path, payload: dict[str, Any] | None) -> list[dict[str, Any]]:
+def saved_holds(path: Path, payload: dict[str, Any] | None) -> list[SavedHold]:
     """The entries of a holds payload; UntrustedFile if any of them is malformed.
 
     vacancyd writes every entry itself, so one it cannot read means the file is not what
     it wrote, and a file that is not what it wrote cannot be trusted to list every hold.
+    The payload is read through the same strict converter as the config: a key vacancyd
+    does not write, a value of the wrong type, or a hold with no resources is malformed.
     """
     if payload is None:
         return []
-    entries = payload.get("holds")
-    if not isinstance(entries, list):
-        raise UntrustedFile(path, "has no list of holds")
-    for index, entry in enumerate(entries):
-        problem = _hold_problem(entry)
-        if problem:
-            raise UntrustedFile(path, f"has a malformed hold (entry {index}: {problem})")
-    return entries
+    try:
+        return list(structure(payload, SavedHolds).holds)
+    except StrictProblems as exc:
+        raise UntrustedFile(path, f"has malformed holds ({exc.problems[0]})") from exc
 
 
-def _hold_problem(entry: Any) -> str:
-    if not isinstance(entry, dict):
-        return "not a table"
-    resources = entry.get("resources")
-    if (
-        not isinstance(resources, list)
-        or not resources
-        or not all(isinstance(name, str) for name in resources)
-    ):
-        return "no resources"
-    if not isinstance(entry.get("upstream"), str) or not isinstance(entry.get("reason"), str):
-        return "no upstream or reason"
-    job_ids = entry.get("job_ids", [])
-    if not isinstance(job_ids, list) or not all(isinstance(i, str) for i in job_ids):
-        return "job_ids is not a list of strings"
-    if not isinstance(entry.get("model"), str | None):
-        return "model is not a string"
-    if not isinstance(entry.get("borrower", ""), str):
-        return "borrower is not a string"
-    return ""
+def unstructured(held: list[SavedHold]) -> dict[str, Any]:
+    """The payload that `saved_holds` reads back."""
+    return {"holds": [attrs.asdict(entry) for entry in held]}
 
 
 def without_restored_notes(reason: str) -> str:

@@ -37,14 +37,15 @@ from pathlib import Path
 import attrs
 import trio
 
-from vacancyd.accounting import ANONYMOUS, UNKNOWN, BorrowerAccounting
+from vacancyd.accounting import ANONYMOUS, BorrowerAccounting
 from vacancyd.admission.borrowed_loads import BorrowedLoads
 from vacancyd.admission.holds import (
     HoldsFile,
+    SavedHold,
     unreadable_refusal,
     without_restored_notes,
 )
-from vacancyd.admission.phases import HOLDING, Event, Phase, next_phase
+from vacancyd.admission.phases import Event, Phase, next_phase
 from vacancyd.admission.reservation import RelayHandle, Reservation, Share
 from vacancyd.admission.spills import SpilledModels
 from vacancyd.model import RETRY_JOB_HELD, RETRY_RESOURCE_BUSY, Quality, Reason, Refuse
@@ -250,10 +251,7 @@ class Ledger:
 
     def hold(self, reservation: Reservation, reason: str) -> None:
         """vacancyd cannot prove the job stopped: hold its resources durably."""
-        if reservation.phase is Phase.FORWARDING or reservation.phase is Phase.TRACKING:
-            reservation.hold_reason = reason
-            reservation.held_since = datetime.now(UTC).isoformat(timespec="seconds")
-        self._apply(reservation, Event.HOLD)
+        self._apply(reservation, Event.HOLD, hold_reason=reason)
 
     def release_hold(self, job_id: int, why: str) -> Reservation | None:
         """End a durable hold (an admin's word, or proof that the job stopped)."""
@@ -264,14 +262,21 @@ class Ledger:
                 return reservation
         return None
 
-    def _apply(self, reservation: Reservation, event: Event) -> None:
-        """The one place a phase changes, with what entering the new phase entails."""
+    def _apply(self, reservation: Reservation, event: Event, *, hold_reason: str = "") -> None:
+        """The one place a phase changes, with what entering the new phase entails.
+
+        An illegal move (phases.py) raises IllegalMove with the phase unchanged. Entering
+        HELD records `hold_reason` and when; a hold that was already in effect keeps its
+        first reason.
+        """
         before = reservation.phase
         after = next_phase(before, event)
         if after is before:
             return
         reservation.phase = after
         if after is Phase.HELD:
+            reservation.hold_reason = hold_reason
+            reservation.held_since = datetime.now(UTC).isoformat(timespec="seconds")
             log.warning(
                 "holding %s for job %d on %s: %s",
                 ", ".join(reservation.resources),
@@ -356,15 +361,15 @@ class Ledger:
         for entry in entries:
             reservation = Reservation(
                 job_id=next(_job_ids),
-                upstream=entry["upstream"],
-                resources=tuple(entry["resources"]),
-                model=entry.get("model"),
+                upstream=entry.upstream,
+                resources=entry.resources,
+                model=entry.model,
                 started_at=trio.current_time(),
-                borrower=entry.get("borrower", UNKNOWN),
+                borrower=entry.borrower,
                 phase=Phase.HELD,
-                job_ids=tuple(entry.get("job_ids", [])),
-                hold_reason=without_restored_notes(entry["reason"]),
-                held_since=str(entry.get("since", "")),
+                job_ids=entry.job_ids,
+                hold_reason=without_restored_notes(entry.reason),
+                held_since=entry.since,
                 restored=True,
             )
             for name in reservation.resources:
@@ -418,18 +423,18 @@ class Ledger:
                 self._holds.save(self._held_entries())
             self._save_failed = trio.Event()
 
-    def _held_entries(self) -> list[dict[str, object]]:
+    def _held_entries(self) -> list[SavedHold]:
         return [
-            {
-                "job_id": r.job_id,
-                "upstream": r.upstream,
-                "borrower": r.borrower,
-                "resources": list(r.resources),
-                "model": r.model,
-                "job_ids": list(r.job_ids),
-                "reason": r.hold_reason,
-                "since": r.held_since,
-            }
+            SavedHold(
+                job_id=r.job_id,
+                upstream=r.upstream,
+                borrower=r.borrower,
+                resources=r.resources,
+                model=r.model,
+                job_ids=r.job_ids,
+                reason=r.hold_reason,
+                since=r.held_since,
+            )
             for r in self._unique_entries()
             if r.phase is Phase.HELD
         ]
@@ -530,4 +535,4 @@ def _busy(resource: str, detail: str) -> Refuse:
     return Refuse(Reason.RESOURCE_BUSY, RETRY_RESOURCE_BUSY, detail, resource=resource)
 
 
-__all__ = ["HOLDING", "Ledger", "LedgerStatistics", "RelayHandle", "Reservation", "Share"]
+__all__ = ["Ledger", "LedgerStatistics", "RelayHandle", "Reservation", "Share"]

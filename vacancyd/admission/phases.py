@@ -1,4 +1,4 @@
-"""The lifecycle of one admitted borrowed job, as an explicit transition table.
+"""The lifecycle of one admitted borrowed job, as a transition table that guards.
 
 A reservation is created FORWARDING (the proxy relays it). What can happen to it next:
 
@@ -11,7 +11,13 @@ A reservation is created FORWARDING (the proxy relays it). What can happen to it
 * proof that a held job stopped, or an admin's word, PROVES it STOPPED: RELEASED.
 
 Every pair of phase and event has a row, so nothing is left to an `if` in a caller: a
-table test walks all of them (the same discipline as h11's state machine).
+table test walks all of them (the same discipline as h11's state machine). A row is a
+move, a deliberate stay (named with why it happens), or ILLEGAL: a pair that no part of
+the daemon makes, so meeting one means the caller is wrong. `next_phase` raises
+IllegalMove for it before anything changes, rather than guessing what was meant.
+
+What entering a phase entails (a hold's reason and time, saving the holds, freeing the
+resources) is done by the ledger in one place, `Ledger._apply`, from the move alone.
 """
 
 from __future__ import annotations
@@ -33,30 +39,47 @@ class Event(enum.Enum):
     PROVEN_STOPPED = "proven_stopped"  # proof or an admin ends a hold
 
 
-# (phase, event) -> next phase. Rows that keep the phase are deliberate no-ops: a second
-# release from a `finally`, a hold on a job that already ended, a track after a hold.
-TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
+class IllegalMove(RuntimeError):
+    """A (phase, event) pair the lifecycle does not allow; the phase was left as it was."""
+
+    def __init__(self, phase: Phase, event: Event) -> None:
+        super().__init__(f"a reservation {phase.value} cannot take the event {event.value}")
+        self.phase = phase
+        self.event = event
+
+
+# (phase, event) -> next phase, or None where the move is illegal.
+TRANSITIONS: dict[tuple[Phase, Event], Phase | None] = {
     (Phase.FORWARDING, Event.TRACK): Phase.TRACKING,
     (Phase.FORWARDING, Event.HOLD): Phase.HELD,
     (Phase.FORWARDING, Event.END): Phase.RELEASED,
-    (Phase.FORWARDING, Event.PROVEN_STOPPED): Phase.RELEASED,
-    (Phase.TRACKING, Event.TRACK): Phase.TRACKING,
+    # Only a held job is proven stopped (the ledger looks for HELD ones).
+    (Phase.FORWARDING, Event.PROVEN_STOPPED): None,
+    # An exchange ends once, so it is tracked once.
+    (Phase.TRACKING, Event.TRACK): None,
     (Phase.TRACKING, Event.HOLD): Phase.HELD,
     (Phase.TRACKING, Event.END): Phase.RELEASED,
-    (Phase.TRACKING, Event.PROVEN_STOPPED): Phase.RELEASED,
+    (Phase.TRACKING, Event.PROVEN_STOPPED): None,
+    # Stay: reclaim held the job while its exchange ran; the exchange ending proves nothing.
     (Phase.HELD, Event.TRACK): Phase.HELD,
+    # Stay: two reclaims (or a reclaim and the tracker) each found it unproven.
     (Phase.HELD, Event.HOLD): Phase.HELD,
+    # Stay: a held job's connection ending proves nothing; only proof or an admin ends it.
     (Phase.HELD, Event.END): Phase.HELD,
     (Phase.HELD, Event.PROVEN_STOPPED): Phase.RELEASED,
+    # Stay: an admin released the hold while the job's exchange still ran.
     (Phase.RELEASED, Event.TRACK): Phase.RELEASED,
+    # Stay: the tracked job finished while a reclaim was failing to cancel it.
     (Phase.RELEASED, Event.HOLD): Phase.RELEASED,
+    # Stay: the exchange's own release after a release by the tracker or an admin.
     (Phase.RELEASED, Event.END): Phase.RELEASED,
-    (Phase.RELEASED, Event.PROVEN_STOPPED): Phase.RELEASED,
+    (Phase.RELEASED, Event.PROVEN_STOPPED): None,
 }
-
-# Phases in which a reservation holds its resources.
-HOLDING = frozenset({Phase.FORWARDING, Phase.TRACKING, Phase.HELD})
 
 
 def next_phase(phase: Phase, event: Event) -> Phase:
-    return TRANSITIONS[(phase, event)]
+    """The phase after `event`; IllegalMove where the table forbids the pair."""
+    after = TRANSITIONS[(phase, event)]
+    if after is None:
+        raise IllegalMove(phase, event)
+    return after
