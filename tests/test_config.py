@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from tests.support.configs import BASIC, config_from
 from vacancyd.cli import main
 from vacancyd.config import (
     AdapterName,
@@ -18,6 +19,7 @@ from vacancyd.config import (
     OnOwnerReturn,
     PresenceBackend,
     Scope,
+    Target,
     load_config,
     parse_config,
     parse_listen,
@@ -167,7 +169,11 @@ def test_example_listens_on_loopback_only() -> None:
 
 def test_example_documents_every_key_of_the_schema() -> None:
     text = EXAMPLE.read_text("utf-8")
-    classes = [obj for obj in vars(schema).values() if isinstance(obj, type) and attrs.has(obj)]
+    classes = [
+        obj
+        for obj in vars(schema).values()
+        if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == schema.__name__
+    ]
     assert len(classes) == 12
     # A field whose TOML key is a Python keyword (`from`) names its key in its metadata.
     keys = {
@@ -907,3 +913,19 @@ def test_the_state_dir_defaults_to_the_units_state_directory(
     monkeypatch.setenv("STATE_DIRECTORY", "relative")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     assert resolve_state_dir(parse_config("")) != Path("relative")
+
+
+def test_each_upstream_carries_its_target_parsed_once_and_its_resources() -> None:
+    """Every reader (proxy, tunnel, reclaim, spills, hand-off, collectors, footprints) takes
+    `endpoint` and `resources` from the loaded upstream; nothing parses the URL again."""
+    (upstream,) = config_from(BASIC).upstream
+    assert upstream.endpoint == Target("http", "127.0.0.1", 9, "")
+    assert upstream.endpoint is upstream.endpoint
+    assert upstream.resources == ("ram", "cpu")
+
+
+def test_a_bad_target_is_a_config_problem_at_its_key_not_a_crash_later() -> None:
+    text = BASIC.replace('target = "http://127.0.0.1:9"', 'target = "ftp://127.0.0.1:9"')
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    assert "upstream[0].target: target must be an http:// or https:// URL" in str(caught.value)

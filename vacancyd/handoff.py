@@ -21,7 +21,7 @@ from vacancyd.adapters.actions import NOTHING_LOADED, UnloadReport, UpstreamCont
 from vacancyd.adapters.base import Adapter
 from vacancyd.admission import Ledger
 from vacancyd.admission.memory_back import CONFIRM_POLL_S, CONFIRM_SHARE, wait_for_memory_back
-from vacancyd.config import UpstreamConfig, parse_target
+from vacancyd.config import UpstreamConfig
 from vacancyd.errors import log_unexpected
 from vacancyd.handoff_plan import BorrowedLoad, HandOffPlan, HandOffRecord
 from vacancyd.model import MIB
@@ -114,10 +114,8 @@ class HandOver:
         if release is None:
             return adapter.give_way.cannot_release
         # Whatever the server does now, residency it proved before proves nothing.
-        self._ledger.note_yield((upstream.resource, *upstream.also_requires))
-        context = UpstreamContext(
-            self._client, parse_target(upstream.target), credential, deadline_s=timeout_s
-        )
+        self._ledger.note_yield(upstream.resources)
+        context = UpstreamContext(self._client, upstream.endpoint, credential, deadline_s=timeout_s)
         try:
             report: UnloadReport = await release(context, names)
         except Exception as exc:

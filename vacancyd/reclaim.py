@@ -39,7 +39,7 @@ from vacancyd.adapters.actions import UpstreamContext
 from vacancyd.adapters.base import Adapter
 from vacancyd.admission import Ledger, Phase, Reservation
 from vacancyd.admission.memory_back import CONFIRM_POLL_S, CONFIRM_SHARE, wait_for_memory_back
-from vacancyd.config import UpstreamConfig, parse_target
+from vacancyd.config import UpstreamConfig
 from vacancyd.edges import Edge, EdgeKind, Trigger
 from vacancyd.errors import log_unexpected
 from vacancyd.gate import ON_BATTERY_REFUSAL, SLEEPING_REFUSAL, hours_refusal, owner_refusal
@@ -115,8 +115,8 @@ class UpstreamReclaim:
         self._ledger = ledger
         self._client = client
         self._credential = credential
-        self._resources = (upstream.resource, *upstream.also_requires)
-        self._target = parse_target(upstream.target)
+        self._resources = upstream.resources
+        self._target = upstream.endpoint
         self.current: ReclaimRecord | None = None
         self.last: ReclaimRecord | None = None
         # The last edge this task has given work back for, as far as a machine about to
@@ -404,9 +404,7 @@ class UpstreamReclaim:
         assert actions is not None
         # Every job vacancyd admitted to this server, through any upstream that reaches it:
         # only other work counts as foreign.
-        same_server = [
-            u.name for u in self._state.config.upstream if parse_target(u.target) == self._target
-        ]
+        same_server = [u.name for u in self._state.config.upstream if u.endpoint == self._target]
         ours = frozenset(
             i for name in same_server for r in self._ledger.entries_for(name) for i in r.job_ids
         ) | frozenset(i for r in affected for i in r.job_ids)

@@ -58,7 +58,6 @@ from vacancyd.config import (
     PresenceBackend,
     UpstreamConfig,
     parse_listen,
-    parse_target,
     resolve_state_dir,
 )
 from vacancyd.controls import OwnerControls, agent_socket_path, answer_owner
@@ -291,7 +290,7 @@ async def run_daemon(
     ops = Operations(config, environ)
     poll, deadline = config.server.poll_interval_s, config.server.probe_deadline_s
     # Where each upstream's server listens: the pressure and listener collectors look there.
-    targets = {u.name: parse_target(u.target) for u in config.upstream}
+    targets = {u.name: u.endpoint for u in config.upstream}
 
     async with ops.open(), open_upstream_client(limits) as client, trio.open_nursery() as root:
         supervisor = Supervisor(root)

@@ -23,7 +23,7 @@ from vacancyd.adapters.actions import UpstreamCallError, UpstreamContext
 from vacancyd.adapters.base import Adapter
 from vacancyd.admission import Ledger
 from vacancyd.admission.spills import SpillUnload, same_model
-from vacancyd.config import UpstreamConfig, parse_target
+from vacancyd.config import UpstreamConfig
 from vacancyd.errors import log_unexpected
 from vacancyd.handoff_plan import Spill
 from vacancyd.model import ResourceKind
@@ -51,7 +51,7 @@ class SpillWatch:
         self._state = state
         self._ledger = ledger
         self._context = UpstreamContext(
-            client, parse_target(upstream.target), credential, deadline_s=ACTION_DEADLINE_S
+            client, upstream.endpoint, credential, deadline_s=ACTION_DEADLINE_S
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -122,7 +122,7 @@ class SpillWatch:
         if release is None:
             return
         name = self._upstream.name
-        self._ledger.note_yield((self._upstream.resource, *self._upstream.also_requires))
+        self._ledger.note_yield(self._upstream.resources)
         report = await release(self._context, (spill.model,))
         outcome = report.error or (f"skipped: {report.skipped}" if report.skipped else "")
         if not outcome:

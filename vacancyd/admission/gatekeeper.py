@@ -283,7 +283,7 @@ class Admission:
     def _resources(self, upstream: UpstreamConfig, spill: Spill | None) -> tuple[str, ...]:
         """What the request needs: the upstream's resources and, for a spilled model, the
         host's memory and CPU as well (each judged, and held while the request runs)."""
-        own = (upstream.resource, *upstream.also_requires)
+        own = upstream.resources
         if spill is None:
             return own
         host = tuple(
@@ -406,7 +406,7 @@ class Admission:
         """The server's own allocator memory, added back on a route with exactly one GPU."""
         gpus = [
             name
-            for name in (upstream.resource, *upstream.also_requires)
+            for name in upstream.resources
             if self._state.resources[name].kind is ResourceKind.NVIDIA_GPU
         ]
         fresh = (
@@ -447,7 +447,7 @@ class Admission:
         does not wait for a post-release sample and ignores jobs a resident request could
         share: it refuses only what `admit` would refuse for every body.
         """
-        resources = (upstream.resource, *upstream.also_requires)
+        resources = upstream.resources
         decision = decide(
             self._state.gate_input(
                 upstream.name, upstream.owner_scope, resources, ModelNeed(model=None)
@@ -479,7 +479,7 @@ class Admission:
 
     def note_yield(self, upstream: UpstreamConfig) -> None:
         """The upstream was asked to unload: residency read before now proves nothing."""
-        self._ledger.note_yield((upstream.resource, *upstream.also_requires))
+        self._ledger.note_yield(upstream.resources)
 
     def release(self, reservation: Reservation) -> None:
         self._ledger.release(reservation)

@@ -85,8 +85,7 @@ class HandOffs:
         givers = tuple(
             self._giver(other, needed.resource)
             for other in self._state.config.upstream
-            if other.name != upstream.name
-            and needed.resource in (other.resource, *other.also_requires)
+            if other.name != upstream.name and needed.resource in other.resources
         )
         return plan_handoff(
             self._priority(upstream), needed.shortfall_mib, givers, trio.current_time()

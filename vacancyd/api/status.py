@@ -61,7 +61,7 @@ def is_ready(state: SharedState, published: Published) -> bool:
 
 
 def needed_resources(config: Config) -> set[str]:
-    return {name for u in config.upstream for name in (u.resource, *u.also_requires)}
+    return {name for u in config.upstream for name in u.resources}
 
 
 def status_document(

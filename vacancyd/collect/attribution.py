@@ -33,7 +33,7 @@ from typing import Final
 import attrs
 import psutil
 
-from vacancyd.config.addresses import Target, is_loopback_host, parse_target
+from vacancyd.config.addresses import Target, is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -266,14 +266,10 @@ def read_listen_sockets() -> list[ListenSocket]:
     return result
 
 
-def server_pids(target_url: str) -> set[int]:
-    """The pids listening where an upstream's target URL connects (blocking): empty for a
+def server_pids(target: Target) -> set[int]:
+    """The pids listening where an upstream's target connects (blocking): empty for a
     target that is not loopback, an unreadable socket table, or nothing listening. What
     the footprints read a server's memory and settings from (footprint/processes.py)."""
-    try:
-        target = parse_target(target_url)
-    except ValueError:
-        return set()
     if not_attributable_reason(target) is not None:
         return set()
     try:

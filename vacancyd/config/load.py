@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from vacancyd.accounting import RESERVED_BORROWERS
-from vacancyd.config.addresses import HostPort, is_loopback_host, parse_listen, parse_target
+from vacancyd.config.addresses import HostPort, is_loopback_host, parse_listen
 from vacancyd.config.hours import lending_hours_problems
 from vacancyd.config.schema import Config, ResourceConfig, Scope, UpstreamConfig
 from vacancyd.config.strict import StrictProblems, structure
@@ -198,7 +198,7 @@ def _upstream_problems(
     upstream: UpstreamConfig, where: str, known: dict[str, ResourceConfig]
 ) -> Iterator[str]:
     try:
-        parse_target(upstream.target)
+        upstream.endpoint  # noqa: B018 - parsed here, once, and kept for every reader
     except ValueError as exc:
         yield f"{where}.target: {exc}"
     if upstream.resource not in known:

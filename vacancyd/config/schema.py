@@ -8,9 +8,11 @@ loader with paths, because attrs validators would report them without one.
 from __future__ import annotations
 
 import enum
+import functools
 
 import attrs
 
+from vacancyd.config.addresses import Target, parse_target
 from vacancyd.model import OwnerScope, Reason, ResourceKind
 
 
@@ -282,6 +284,17 @@ class UpstreamConfig:
     # A model the server placed partly in host memory (Ollama, when the GPU had no room):
     # charge its requests on the host's memory and CPU resources as well, or refuse them.
     spilled_models: SpilledModels = SpilledModels.CHARGE
+
+    @functools.cached_property
+    def endpoint(self) -> Target:
+        """`target`, parsed once: the loader checks every upstream's, so it is valid in a
+        loaded config (ValueError only for one built by hand with a bad URL)."""
+        return parse_target(self.target)
+
+    @functools.cached_property
+    def resources(self) -> tuple[str, ...]:
+        """Every resource a borrowed request to this upstream holds: its own first."""
+        return (self.resource, *self.also_requires)
 
 
 @attrs.frozen

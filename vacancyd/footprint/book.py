@@ -220,7 +220,7 @@ class FootprintBook:
         return self._find_server is not None and bool(self._memory_resources(upstream))
 
     def _memory_resources(self, upstream: UpstreamConfig) -> list[str]:
-        names = (upstream.resource, *upstream.also_requires)
+        names = upstream.resources
         return [name for name in names if self._kinds.get(name) is ResourceKind.MEMORY]
 
     async def host_memory(self, upstream: UpstreamConfig) -> TreeMemory | None:
@@ -248,7 +248,7 @@ class FootprintBook:
         assert self._find_server is not None
         roots = self._roots.get(upstream.name)
         if not roots or not all(still_running(root) for root in roots):
-            found = (member(pid) for pid in self._find_server(upstream.target))
+            found = (member(pid) for pid in self._find_server(upstream.endpoint))
             roots = frozenset(root for root in found if root is not None)
             self._roots[upstream.name] = roots
         return tree_memory(root.pid for root in roots)

@@ -138,7 +138,7 @@ def _target(args: argparse.Namespace) -> _Target:
     config = load_config(args.config)
     upstream = _upstream(config, args.upstream)
     resource = args.resource or upstream.resource
-    if resource not in {upstream.resource, *upstream.also_requires}:
+    if resource not in upstream.resources:
         raise _Failed(f"{resource!r} is not one of upstream {upstream.name!r}'s resources")
     kind = config.resource_named(resource).kind
     if not kind.has_bytes:

@@ -25,8 +25,10 @@ from typing import Final
 import attrs
 import psutil
 
-# The pids listening where an upstream's target URL connects (empty: none seen).
-FindServer = Callable[[str], set[int]]
+from vacancyd.config.addresses import Target
+
+# The pids listening where an upstream's target connects (empty: none seen).
+FindServer = Callable[[Target], set[int]]
 
 MIB: Final = 1024 * 1024
 

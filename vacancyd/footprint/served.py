@@ -213,7 +213,7 @@ _CACHE_ENV: Final = {"LLAMA_ARG_CACHE_TYPE_K": "k", "LLAMA_ARG_CACHE_TYPE_V": "v
 
 def _llamacpp_launch(upstream: UpstreamConfig, find_server: FindServer | None) -> _Launch:
     """What llama-server's command line (or, failing that, its environment) sets."""
-    pids = find_server(upstream.target) if find_server is not None else set()
+    pids = find_server(upstream.endpoint) if find_server is not None else set()
     command = server_command(pids) if pids else None
     if command is None:
         return _Launch(readable=False)
@@ -362,7 +362,7 @@ def _env_int(environ: Mapping[str, str], key: str) -> int | None:
 def _ollama_settings(upstream: UpstreamConfig, find_server: FindServer | None) -> _OllamaSettings:
     if find_server is None:
         return _OllamaSettings(readable=False)
-    pids = find_server(upstream.target)
+    pids = find_server(upstream.endpoint)
     return _OllamaSettings.of(server_environment(pids) if pids else None)
 
 

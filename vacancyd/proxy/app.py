@@ -29,7 +29,7 @@ from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
 from vacancyd.adapters.routes import Classification, WorkFacts
 from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
-from vacancyd.config import LimitsConfig, UpstreamConfig, parse_target
+from vacancyd.config import LimitsConfig, UpstreamConfig
 from vacancyd.errors import log_unexpected
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.json_input import JsonRejected, parse_json
@@ -77,7 +77,7 @@ class ProxyApp:
     ) -> None:
         self.upstream = upstream
         self.adapter = adapter
-        self.target = parse_target(upstream.target)
+        self.target = upstream.endpoint
         self._admission = admission
         self._auth = auth
         self._limits = limits
