@@ -37,6 +37,7 @@ from tests.support.upstreams import EchoUpstream
 from tests.test_api_cross_site import holds_file, levels_kept
 from vacancyd.admission import Ledger
 from vacancyd.api.app import create_api_app
+from vacancyd.api.parts import DaemonParts
 from vacancyd.auth import Authenticator
 from vacancyd.config import parse_listen
 from vacancyd.decisions import DecisionLog
@@ -277,13 +278,14 @@ async def test_an_unexpected_exception_is_a_json_500_and_one_log_line(
     published = Published(listeners=BoundListeners())
     tools = attrs.evolve(Operations(config, {}).tools(None), host_versions=broken_bus)
     app = create_api_app(
-        state,
-        published,
-        Ledger(state),
-        DecisionLog(["llama"]),
-        Authenticator(config.auth),
-        {},
-        operator=tools,
+        DaemonParts(
+            state=state,
+            published=published,
+            ledger=Ledger(state),
+            decisions=DecisionLog(["llama"]),
+            auth=Authenticator(config.auth),
+            operator=tools,
+        )
     )
     caplog.set_level(logging.DEBUG, logger="vacancyd")
     caplog.set_level(logging.DEBUG, logger="quart")

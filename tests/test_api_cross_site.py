@@ -47,6 +47,7 @@ from tests.support.upstreams import EchoUpstream
 from tests.test_console import chromium
 from vacancyd.admission import HOLDS_KIND, Admission, Ledger
 from vacancyd.api.app import create_api_app
+from vacancyd.api.parts import DaemonParts
 from vacancyd.auth import Authenticator
 from vacancyd.cli import main
 from vacancyd.decisions import DecisionLog
@@ -113,14 +114,15 @@ def state_changing_routes(
     ledger = Ledger(state)
     decisions = DecisionLog([upstream.name for upstream in state.config.upstream])
     app = create_api_app(
-        state,
-        daemon.published,
-        ledger,
-        decisions,
-        Authenticator(state.config.auth),
-        {},
-        operator=Operations(state.config, {}).tools(None),
-        admission=Admission(state, ledger, decisions),
+        DaemonParts(
+            state=state,
+            published=daemon.published,
+            ledger=ledger,
+            decisions=decisions,
+            auth=Authenticator(state.config.auth),
+            operator=Operations(state.config, {}).tools(None),
+            admission=Admission(state, ledger, decisions),
+        )
     )
     adapter = app.url_map.bind("127.0.0.1")
     routes = []

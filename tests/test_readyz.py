@@ -34,6 +34,7 @@ import trio.testing
 from tests.support.configs import config_from
 from vacancyd.admission import Ledger
 from vacancyd.api.app import create_api_app
+from vacancyd.api.parts import DaemonParts
 from vacancyd.auth import Authenticator
 from vacancyd.config import parse_listen
 from vacancyd.decisions import DecisionLog
@@ -126,7 +127,13 @@ async def api() -> AsyncIterator[Rig]:
     listeners = BoundListeners()
     published = Published(listeners=listeners)
     app = create_api_app(
-        state, published, Ledger(state), DecisionLog(["llama"]), Authenticator(config.auth), {}
+        DaemonParts(
+            state=state,
+            published=published,
+            ledger=Ledger(state),
+            decisions=DecisionLog(["llama"]),
+            auth=Authenticator(config.auth),
+        )
     )
     limits = config.server.limits
     stop = trio.Event()

@@ -144,6 +144,39 @@ async def test_drain_cuts_exactly_at_the_drain_timeout_after_the_first_edge(
         assert record is not None and record.phase == "done" and record.cancelled_jobs
 
 
+class Wakeups(trio.abc.Instrument):
+    """Counts how often trio schedules the reclaim tasks: each wake is one schedule."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("UpstreamReclaim.run"):
+            self.count += 1
+
+
+async def test_an_idle_reclaim_is_woken_by_edges_not_by_every_reading(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Readings arrive every poll on every resource; an idle reclaim has nothing to do
+    with them. Before, each one woke every upstream's reclaim to look for edges."""
+    async with rig(reclaim_config("drain")) as r:
+        _, relay = r.admit("a", "gpu0")
+        wakeups = Wakeups()
+        trio.lowlevel.add_instrument(wakeups)
+        try:
+            for _ in range(100):
+                now = trio.current_time()
+                r.state.record_observation(Observation("gpu0", now, 8192 * MIB, 8000 * MIB))
+                await trio.sleep(1.0)
+            assert wakeups.count == 0
+            r.presence(SessionState.ACTIVE)  # an edge: the reclaim wakes and drains
+            await trio.sleep(31.0)
+        finally:
+            trio.lowlevel.remove_instrument(wakeups)
+        assert wakeups.count > 0 and relay.cut_at is not None
+
+
 async def test_a_second_owner_return_does_not_move_the_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

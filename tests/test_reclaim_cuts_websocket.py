@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +37,10 @@ from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
 from tests.support.upstreams import EchoUpstream
-from vacancyd.adapters.registry import adapter_for
-from vacancyd.admission import Admission, Ledger, Phase
-from vacancyd.auth import Authenticator
-from vacancyd.config import parse_listen
-from vacancyd.decisions import DecisionLog
+from vacancyd.admission import Ledger, Phase
+from vacancyd.assembly import build_core, build_upstream
 from vacancyd.model import MIB, Observation, PresenceReading, SessionState
-from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
-from vacancyd.proxy.tunnel import WebSocketTunnels, is_websocket_request
-from vacancyd.reclaim import UpstreamReclaim
-from vacancyd.serving import ListenerGuard, serve_app
 from vacancyd.state import SharedState
 
 # trio-websocket's client leaves its socket to the garbage collector when the server side
@@ -173,35 +165,16 @@ async def tunnel_in_front_of(echo: EchoUpstream, state_dir: Path) -> AsyncIterat
             upstream_extra=f"drain_timeout_s = {DRAIN_S}",
         )
     )
-    upstream = config.upstream[0]
-    adapter = adapter_for("openai")
-    limits = config.server.limits
-    state = SharedState(config)
+    core = build_core(config, keep_files=False)
+    state, ledger = core.state, core.ledger
     now = trio.current_time()
     state.record_observation(Observation("ram", now, 64 * 1024 * MIB, 32 * 1024 * MIB))
     state.record_presence(PresenceReading("test", now, SessionState.LOGGED_OUT))
-    ledger = Ledger(state)
-    admission = Admission(state, ledger, DecisionLog([upstream.name]))
-    auth = Authenticator(config.auth)
     stop = trio.Event()
-    async with open_upstream_client(limits) as client, trio.open_nursery() as nursery:
-        app = ProxyApp(upstream, adapter, admission, auth, limits, client)
-        tunnels = WebSocketTunnels(upstream, adapter, app.target, admission, auth, limits, None)
-        guard = ListenerGuard(
-            limits, takeover=tunnels.take_over, wants_takeover=is_websocket_request
-        )
-        await nursery.start(UpstreamReclaim(upstream, adapter, state, ledger, client, None).run)
-        bound = await nursery.start(
-            partial(
-                serve_app,
-                app,
-                parse_listen(upstream.listen),
-                limits,
-                grace_s=1.0,
-                shutdown_trigger=stop.wait,
-                guard=guard,
-            )
-        )
+    async with open_upstream_client(core.limits) as client, trio.open_nursery() as nursery:
+        parts = build_upstream(core, config.upstream[0], client)
+        await nursery.start(parts.reclaim.run)
+        bound = await nursery.start(parts.listener(grace_s=1.0, shutdown_trigger=stop.wait))
         yield Rig(state, ledger, bound[0])
         nursery.cancel_scope.cancel()
 

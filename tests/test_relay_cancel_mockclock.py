@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 
 import attrs
 import trio
@@ -31,16 +30,11 @@ import trio.testing
 from tests.support.configs import config_from
 from tests.support.daemon import host_port
 from tests.support.upstreams import EchoUpstream
-from vacancyd.adapters.registry import adapter_for
-from vacancyd.admission import Admission, Ledger, Phase, Reservation
-from vacancyd.auth import Authenticator
-from vacancyd.config import parse_listen
-from vacancyd.decisions import DecisionLog
+from vacancyd.admission import Ledger, Phase, Reservation
+from vacancyd.assembly import build_core, build_upstream
 from vacancyd.model import MIB, RETRY_OWNER_VETO, Observation, PresenceReading, SessionState
-from vacancyd.proxy.app import ProxyApp
 from vacancyd.proxy.forward import open_upstream_client
 from vacancyd.reclaim import UpstreamReclaim
-from vacancyd.serving import serve_app
 from vacancyd.state import SharedState
 
 DRAIN_S = 30.0
@@ -97,28 +91,13 @@ class Rig:
 async def proxy_in_front_of(echo: EchoUpstream, policy: str) -> AsyncIterator[Rig]:
     """The proxy and the reclaim task for one upstream, wired as the service wires them."""
     config = config_from(config_text(echo.url, policy))
-    upstream = config.upstream[0]
-    adapter = adapter_for("openai")
-    limits = config.server.limits
-    state = SharedState(config)
-    ledger = Ledger(state)
-    admission = Admission(state, ledger, DecisionLog([upstream.name]))
+    core = build_core(config, keep_files=False)
     stop = trio.Event()
-    async with open_upstream_client(limits) as client, trio.open_nursery() as nursery:
-        app = ProxyApp(upstream, adapter, admission, Authenticator(config.auth), limits, client)
-        reclaim = UpstreamReclaim(upstream, adapter, state, ledger, client, None)
-        await nursery.start(reclaim.run)
-        bound = await nursery.start(
-            partial(
-                serve_app,
-                app,
-                parse_listen(upstream.listen),
-                limits,
-                grace_s=1.0,
-                shutdown_trigger=stop.wait,
-            )
-        )
-        rig = Rig(state, ledger, reclaim, bound[0])
+    async with open_upstream_client(core.limits) as client, trio.open_nursery() as nursery:
+        parts = build_upstream(core, config.upstream[0], client)
+        await nursery.start(parts.reclaim.run)
+        bound = await nursery.start(parts.listener(grace_s=1.0, shutdown_trigger=stop.wait))
+        rig = Rig(core.state, core.ledger, parts.reclaim, bound[0])
         rig.readings()
         yield rig
         nursery.cancel_scope.cancel()

@@ -15,7 +15,8 @@ import trio
 
 from tests.support.daemon import daemon_env, daemon_process
 from vacancyd.config import parse_config
-from vacancyd.service import EssentialTaskFailed, run_daemon
+from vacancyd.service import run_daemon
+from vacancyd.supervision import EssentialTaskFailed
 
 
 def minimal(tmp_path: Path, *, api: str = "127.0.0.1:0", listen: str = "127.0.0.1:0") -> str:

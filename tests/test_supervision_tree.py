@@ -24,7 +24,8 @@ import trio.testing
 
 from tests.support.daemon import InProcessDaemon, daemon_process
 from vacancyd.config import parse_config
-from vacancyd.service import BRANCHES, EssentialTaskFailed, run_daemon
+from vacancyd.service import run_daemon
+from vacancyd.supervision import BRANCHES, EssentialTaskFailed
 
 BODY_HEAD, BODY_TAIL = b"first", b"-last"
 

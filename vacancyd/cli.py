@@ -290,7 +290,8 @@ def _configure_logging(level: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vacancyd.service import EssentialTaskFailed, run_daemon
+    from vacancyd.service import run_daemon
+    from vacancyd.supervision import EssentialTaskFailed
 
     try:
         config = load_config(args.config)

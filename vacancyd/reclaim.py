@@ -135,14 +135,14 @@ class UpstreamReclaim:
         )
 
     async def _next_edges(self, seen: int) -> tuple[list[Edge], int]:
+        """The next edges this upstream answers, waking for new edges only (while a
+        reclaim waits on its jobs, it is woken by every change instead: see `reclaim`)."""
         while True:
-            fresh = self._state.edges_after(seen)
-            if fresh:
-                seen = fresh[-1].seq
-                mine = [edge for edge in fresh if self._concerns(edge)]
-                if mine:
-                    return mine, seen
-            await self._state.wait_changed()
+            fresh = await self._state.wait_edges_after(seen)
+            seen = fresh[-1].seq
+            mine = [edge for edge in fresh if self._concerns(edge)]
+            if mine:
+                return mine, seen
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Answer edges one reclaim at a time until cancelled."""

@@ -89,6 +89,8 @@ class SharedState:
         self.edges: list[Edge] = []
         self.edge_seq = 0
         self._changed = trio.Event()
+        # Set only by a new edge: reclaim waits on this, not on every reading.
+        self._edge_added = trio.Event()
         self._sample_wanted = trio.Event()
         self.sample_requests = 0
         # Whether the machine runs on its battery (presence/power.py); None before a read.
@@ -177,11 +179,22 @@ class SharedState:
         edge = Edge(self.edge_seq, kind, at, reason, resource)
         self.edges.append(edge)
         del self.edges[:-MAX_EDGES_KEPT]
+        self._edge_added.set()
+        self._edge_added = trio.Event()
         self._notify()
         return edge
 
     def edges_after(self, seq: int) -> list[Edge]:
         return [edge for edge in self.edges if edge.seq > seq]
+
+    async def wait_edges_after(self, seq: int) -> list[Edge]:
+        """The edges after `seq`, once there is at least one. Woken by new edges only:
+        readings arrive every poll, edges when the owner or the machine changes."""
+        while True:
+            fresh = self.edges_after(seq)
+            if fresh:
+                return fresh
+            await self._edge_added.wait()
 
     def set_lending(
         self, enabled: bool, until: float | None = None, until_wall: datetime | None = None

@@ -23,23 +23,16 @@ from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
-from vacancyd.admission import Admission, Ledger
 from vacancyd.api.intake import Refused, RenderSlots, cross_site_refusal, read_body
 from vacancyd.api.metrics import CONTENT_TYPE, VacancydCollector, open_registry, render
-from vacancyd.api.operator import OperatorTools, add_operator_routes
+from vacancyd.api.operator import add_operator_routes
 from vacancyd.api.owner import lending_request, lending_status
+from vacancyd.api.parts import DaemonParts
 from vacancyd.api.status import is_ready, status_document
-from vacancyd.api.vacancy import Provers, add_vacancy_route
-from vacancyd.auth import Authenticator
+from vacancyd.api.vacancy import add_vacancy_route
 from vacancyd.config import Scope
 from vacancyd.controls import OwnerControls
-from vacancyd.decisions import DecisionLog
-from vacancyd.footprint.book import FootprintBook
 from vacancyd.json_input import JsonRejected, parse_json
-from vacancyd.published import Published
-from vacancyd.reclaim import UpstreamReclaim
-from vacancyd.serving import ListenerGuard
-from vacancyd.state import SharedState
 
 log = logging.getLogger(__name__)
 
@@ -137,27 +130,24 @@ def _holds_not_saved(done: str, why: str) -> Response:
     )
 
 
-def create_api_app(
-    state: SharedState,
-    published: Published,
-    ledger: Ledger,
-    decisions: DecisionLog,
-    auth: Authenticator,
-    can_unload: dict[str, bool],
-    guards: dict[str, ListenerGuard] | None = None,
-    reclaims: dict[str, UpstreamReclaim] | None = None,
-    operator: OperatorTools | None = None,
-    admission: Admission | None = None,
-    footprints: FootprintBook | None = None,
-    controls: OwnerControls | None = None,
-    provers: Provers | None = None,
-) -> QuartTrio:
+def create_api_app(parts: DaemonParts) -> QuartTrio:
+    state, published, ledger, decisions = (
+        parts.state,
+        parts.published,
+        parts.ledger,
+        parts.decisions,
+    )
+    auth, operator, admission = parts.auth, parts.operator, parts.admission
     app = QuartTrio("vacancyd.api")
     # The owner's switches are saved and restored through this (no file without one).
-    controls = controls or OwnerControls.for_config(state, None, state_files=published.state_files)
+    controls = parts.controls or OwnerControls.for_config(
+        state, None, state_files=published.state_files
+    )
     app.config["MAX_CONTENT_LENGTH"] = MAX_ADMIN_BODY
     app.config["RESPONSE_TIMEOUT"] = None
-    registry = open_registry(VacancydCollector(state, published, ledger, decisions, auth, reclaims))
+    registry = open_registry(
+        VacancydCollector(state, published, ledger, decisions, auth, dict(parts.reclaims))
+    )
     limits = state.config.server.limits
     slots = RenderSlots(RENDER_SLOTS, RENDER_WAIT_S)
 
@@ -266,17 +256,7 @@ def create_api_app(
         return _json({"ready": ready}, 200 if ready else 503)
 
     def status_now() -> dict[str, Any]:
-        return status_document(
-            state,
-            published,
-            ledger,
-            decisions,
-            can_unload,
-            guards or {},
-            reclaims or {},
-            operator,
-            footprints=footprints,
-        )
+        return status_document(parts)
 
     @app.get("/status")
     async def status() -> Response:
@@ -391,8 +371,8 @@ def create_api_app(
             auth,
             reply=_json,
             error=_error,
-            provers=provers,
-            footprints=footprints,
+            provers=parts.provers,
+            footprints=parts.footprints,
         )
 
     @app.get("/")

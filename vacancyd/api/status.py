@@ -14,12 +14,12 @@ import trio
 import vacancyd
 from vacancyd.admission import Ledger, Reservation
 from vacancyd.api.handoff_status import recent_handoffs, upstream_handoff, upstream_spills
-from vacancyd.api.operator import OperatorTools, operator_status
+from vacancyd.api.operator import operator_status
 from vacancyd.api.owner import lending_hours_status, lending_status
+from vacancyd.api.parts import DaemonParts
 from vacancyd.api.usage import borrowers_status, reachability_status
 from vacancyd.config import Config
 from vacancyd.decisions import DecisionLog, DecisionRecord
-from vacancyd.footprint.book import FootprintBook
 from vacancyd.gate import owner_refusal, resource_refusal
 from vacancyd.model import (
     HeatView,
@@ -64,19 +64,15 @@ def needed_resources(config: Config) -> set[str]:
     return {name for u in config.upstream for name in u.resources}
 
 
-def status_document(
-    state: SharedState,
-    published: Published,
-    ledger: Ledger,
-    decisions: DecisionLog,
-    adapters_can_unload: dict[str, bool],
-    guards: dict[str, ListenerGuard] | None = None,
-    reclaims: dict[str, UpstreamReclaim] | None = None,
-    operator: OperatorTools | None = None,
-    footprints: FootprintBook | None = None,
-) -> dict[str, Any]:
-    guards = guards or {}
-    reclaims = reclaims or {}
+def status_document(parts: DaemonParts) -> dict[str, Any]:
+    state, published, ledger, decisions = (
+        parts.state,
+        parts.published,
+        parts.ledger,
+        parts.decisions,
+    )
+    adapters_can_unload, guards, reclaims = parts.can_unload, parts.guards, parts.reclaims
+    operator, footprints = parts.operator, parts.footprints
     now = trio.current_time()
     config = state.config
     stats = ledger.statistics()

@@ -29,7 +29,7 @@ from vacancyd.collect.attribution import (
     upstreams_of,
 )
 from vacancyd.collect.calibration_store import CalibrationStore
-from vacancyd.collect.nvml import NvmlCollector
+from vacancyd.collect.nvml import NvmlBroker
 from vacancyd.collect.pressure_guard import PressureGuard, build_threshold
 from vacancyd.collect.threshold import LearnedThreshold
 from vacancyd.config import PressureConfig, ResourceConfig, Target
@@ -66,7 +66,7 @@ class PressureCollector:
         state: SharedState,
         gpus: list[ResourceConfig],
         targets: dict[str, Target],
-        nvml: NvmlCollector,
+        nvml: NvmlBroker,
         busy_upstreams: Callable[[], set[str]],
         store: CalibrationStore | None,
         *,

@@ -49,13 +49,16 @@ class NvmlCollector:
         gpus: list[ResourceConfig],
         *,
         deadline_s: float,
+        broker: NvmlBroker | None = None,
         library: NvmlLibrary | None = None,
         heartbeat: Heartbeat | None = None,
     ) -> None:
+        """`broker`: the GPU access the service made and shares with the pressure loop;
+        without one (a test, `run_nvml_collector`) this loop makes its own."""
         self._state = state
         self._deadline_s = deadline_s
         self._heartbeat = heartbeat
-        self._broker = NvmlBroker(state, gpus, deadline_s=deadline_s, library=library)
+        self._broker = broker or NvmlBroker(state, gpus, deadline_s=deadline_s, library=library)
         self._heat = HeatWatch(state, gpus)
 
     @property
