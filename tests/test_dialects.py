@@ -18,7 +18,8 @@ from tests.support.clients import lender_config
 from tests.support.daemon import in_process_daemon
 from vacancyd.adapters.registry import adapter_for, adapter_names
 from vacancyd.adapters.routes import Dialect, RouteClass
-from vacancyd.proxy.dialects import StreamTail, error_body, stream_error
+from vacancyd.answers import error_body
+from vacancyd.proxy.dialects import StreamTail, stream_error
 
 
 def test_each_dialect_puts_the_code_where_its_clients_look() -> None:

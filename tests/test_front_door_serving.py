@@ -187,6 +187,8 @@ async def test_heads_over_the_line_count_get_431_on_every_listener(
                     reply += chunk
         assert reply.startswith(b"HTTP/1.1 431")
         assert b"header lines" in reply
+        # Rendered as every answer of vacancyd's own: the reason in its header too.
+        assert b"\r\nx-vacancyd-reason: request_header_fields_too_large\r\n" in reply
         async with httpx.AsyncClient(trust_env=False) as http:
             assert (await http.get(f"{daemon.api}/healthz")).status_code == 200
     assert echo.seen == []

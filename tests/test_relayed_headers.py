@@ -211,3 +211,50 @@ async def test_a_broken_answer_to_an_upgrade_is_reported_without_its_bytes(
     assert about and all("RemoteProtocolError" in line for line in about), said
     assert not [line for line in said if marker in line]
     assert status.status_code == 200 and marker not in status.text
+
+
+def _header_names(head: bytes) -> dict[bytes, bytes]:
+    lines = head.split(b"\r\n")[1:]
+    return {
+        name.strip().lower(): value.strip()
+        for name, _, value in (line.partition(b":") for line in lines)
+    }
+
+
+async def test_a_request_and_an_upgrade_cross_to_the_upstream_under_one_header_rule(
+    tmp_path: Path,
+) -> None:
+    """The headers a borrower sends reach the upstream by the same rule whether they come
+    with a relayed request or a WebSocket upgrade (proxy/headers.py `request_headers`):
+    before, the tunnel had a rule of its own."""
+    borrowed = [
+        ("X-Trace", "t-1"),
+        ("X-Secret", "named in Connection"),
+        ("Keep-Alive", "timeout=5"),
+        ("Proxy-Authorization", "Basic Zm9vOmJhcg=="),
+        ("Authorization", "Bearer the-borrowers-own"),
+        ("TE", "trailers"),
+        ("Expect", "100-continue"),
+    ]
+    async with serve_raw() as upstream, in_process_daemon(config(upstream, tmp_path)) as daemon:
+        upstream.answer = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+        await ask(
+            daemon.proxy("echo"), "GET", "/v1/models", [("Connection", "X-Secret"), *borrowed]
+        )
+        upgrade = [h for h in UPGRADE if h[0] != "Connection"]
+        await ask(
+            daemon.proxy("echo"),
+            "GET",
+            "/v1/realtime",
+            [("Connection", "Upgrade, X-Secret"), *upgrade, *borrowed],
+        )
+        relayed, upgraded = [_header_names(h) for h in await upstream.wait_for_heads(2)]
+    assert upgraded.pop(b"connection") == b"Upgrade" and upgraded.pop(b"upgrade") == b"websocket"
+    for name in (b"sec-websocket-version", b"sec-websocket-key"):
+        upgraded.pop(name)
+    assert upgraded == relayed
+    assert relayed[b"host"] == f"127.0.0.1:{upstream.port}".encode()
+    assert relayed[b"x-trace"] == b"t-1"
+    hop_or_ours = (b"x-secret", b"keep-alive", b"proxy-authorization", b"authorization", b"te")
+    for never in (*hop_or_ours, b"expect"):
+        assert never not in relayed

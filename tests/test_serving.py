@@ -114,6 +114,7 @@ async def test_connections_over_the_cap_get_a_fast_503_and_slots_come_back(
                     answer = await read_until_closed(third)
             assert answer.startswith(b"HTTP/1.1 503")
             assert b"too_many_connections" in answer and b"retry-after: 1" in answer
+            assert b"\r\nx-vacancyd-reason: too_many_connections\r\n" in answer
         with trio.fail_after(10):
             while (await status(daemon))["open"] != 0:
                 await daemon.state.wait_changed()

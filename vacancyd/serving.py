@@ -35,7 +35,6 @@ gap has a regression test over real sockets in tests/test_serving.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -62,6 +61,7 @@ from hypercorn.utils import (
     wrap_app,
 )
 
+from vacancyd.answers import Answer
 from vacancyd.config import HostPort, LimitsConfig
 from vacancyd.serving_protocol import ConnectionApp, FrontDoorProtocol, ListenerGuard, TakeOver
 
@@ -72,23 +72,16 @@ MAX_RECV = 2**16
 # Whether a socket's descriptor can be written with os.write (not on Windows).
 _WRITE_NOW = os.name == "posix"
 
-_OVER_CAP_BODY = json.dumps(
-    {
-        "error": {
-            "type": "no_vacancy",
-            "code": "too_many_connections",
-            "message": "this listener is at its connection limit; retry shortly",
-        }
-    }
-).encode()
-_OVER_CAP_RESPONSE = (
-    b"HTTP/1.1 503 Service Unavailable\r\n"
-    b"content-type: application/json\r\n"
-    b"retry-after: 1\r\n"
-    b"x-vacancyd-reason: too_many_connections\r\n"
-    b"connection: close\r\n"
-    b"content-length: " + str(len(_OVER_CAP_BODY)).encode() + b"\r\n\r\n" + _OVER_CAP_BODY
-)
+# The answer of a listener at its connection limit, made once: the OpenAI shape, since
+# no route is known yet (vacancyd/answers.py).
+_OVER_CAP_RESPONSE = Answer(
+    status=503,
+    code="too_many_connections",
+    message="this listener is at its connection limit; retry shortly",
+    error_type="no_vacancy",
+    retry_after_s=1,
+    close=True,
+).raw()
 
 
 class _IdleTimer:

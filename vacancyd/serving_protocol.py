@@ -38,7 +38,6 @@ Each of these has a regression test over real sockets in tests/test_serving.py.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -50,6 +49,7 @@ from hypercorn.protocol.events import Body, EndBody, StreamClosed
 from hypercorn.protocol.events import Data as StreamData
 from hypercorn.protocol.h11 import H11Protocol
 
+from vacancyd.answers import Answer
 from vacancyd.config import LimitsConfig
 
 # Given the connection, the parsed request head, the bytes that followed it and the peer
@@ -88,21 +88,10 @@ def head_problem(buffer: bytes, max_bytes: int, max_lines: int) -> str | None:
 
 
 def _too_large_response(message: str) -> bytes:
-    body = json.dumps(
-        {
-            "error": {
-                "type": "invalid_request_error",
-                "code": "request_header_fields_too_large",
-                "message": message,
-            }
-        }
-    ).encode()
-    return (
-        b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-        b"content-type: application/json\r\n"
-        b"connection: close\r\n"
-        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
+    """The 431 for a head over the listener's limits, before any route is known."""
+    return Answer(
+        status=431, code="request_header_fields_too_large", message=message, close=True
+    ).raw()
 
 
 class TakeOver(Exception):

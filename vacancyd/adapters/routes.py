@@ -20,21 +20,7 @@ from typing import Any, Protocol
 
 import attrs
 
-
-class Dialect(enum.Enum):
-    """How a route's own server writes errors, so vacancyd's answers read like them.
-
-    A client parses errors the way its server writes them: the ollama client takes
-    Ollama's `{"error": "<text>"}` string, OpenAI and Anthropic SDKs lift `type`, `code`
-    and `message` from their error objects. Answering in the route's dialect is what lets
-    each client show the refusal's reason instead of a dict or a parse failure.
-    """
-
-    OPENAI = "openai"  # {"error": {"type", "code", "message"}}; SSE streams
-    ANTHROPIC = "anthropic"  # {"type": "error", "error": {...}}; SSE with `event: error`
-    OLLAMA = "ollama"  # {"error": "<text>"}; NDJSON streams
-    COMFYUI = "comfyui"  # {"error": {"type", "message", "details", ...}, "node_errors": {}}
-    CHATTERBOX = "chatterbox"  # FastAPI's {"detail": "<text>"} beside the OpenAI object
+from vacancyd.answers import Dialect
 
 
 class RouteClass(enum.Enum):
@@ -195,3 +181,20 @@ def remove_dot_segments(path: str) -> str:
             continue
         output.append(segment)
     return "/" + "/".join(output)
+
+
+__all__ = [
+    "Classification",
+    "Dialect",
+    "Route",
+    "RouteClass",
+    "RouteRules",
+    "WorkFacts",
+    "classify",
+    "listed_reads",
+    "model_field",
+    "reads",
+    "remove_dot_segments",
+    "websockets",
+    "work",
+]

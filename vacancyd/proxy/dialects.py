@@ -16,42 +16,11 @@ that do not still see a broken transfer, never a clean end.
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from vacancyd.adapters.routes import Dialect
+from vacancyd.answers import Dialect, one_line
 
 SSE = b"text/event-stream"
 NDJSON = b"application/x-ndjson"
-
-
-def error_body(
-    dialect: Dialect,
-    error_type: str,
-    code: str,
-    message: str,
-    *,
-    retry_after_s: int | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    """The JSON body of one of vacancyd's answers, in `dialect`."""
-    error = {"type": error_type, "code": code, "message": message, **extra}
-    if dialect is Dialect.ANTHROPIC:
-        return {"type": "error", "error": error}
-    if dialect is Dialect.OLLAMA:
-        return {"error": one_line(code, message, retry_after_s)}
-    if dialect is Dialect.COMFYUI:
-        comfy = {"type": error_type, "code": code, "message": message, "details": message}
-        return {"error": {**comfy, "extra_info": extra}, "node_errors": {}}
-    if dialect is Dialect.CHATTERBOX:
-        return {"detail": one_line(code, message, retry_after_s), "error": error}
-    return {"error": error}
-
-
-def one_line(code: str, message: str, retry_after_s: int | None = None) -> str:
-    """The whole answer as one string, for clients that show nothing else: the code
-    first (what a script matches on), then the message, then when to come back."""
-    text = f"{code}: {message}"
-    return text if retry_after_s is None else f"{text} (retry after {retry_after_s}s)"
 
 
 def stream_error(dialect: Dialect, content_type: bytes | None, code: str, message: str) -> bytes:

@@ -46,7 +46,14 @@ def request_headers(
     forward_authorization: bool,
     credential: str | None,
     dropped: frozenset[bytes] = frozenset(),
+    upgrade: bytes | None = None,
 ) -> list[tuple[bytes, bytes]]:
+    """The borrower's request headers as the upstream gets them: the one rule for relayed
+    requests and WebSocket upgrades alike. Hop-by-hop headers, those named in Connection,
+    Proxy-* and the adapter's `dropped` never cross; Host is the upstream's; the borrower's
+    Authorization crosses only where the upstream forwards it and vacancyd presents no
+    credential of its own. `upgrade` (a protocol, b"websocket") asks the upstream to switch
+    to it: the Connection and Upgrade of this hop, which the rule above removed."""
     named = _connection_named(headers)
     kept = [
         (name, value)
@@ -56,7 +63,8 @@ def request_headers(
         and name.lower() not in dropped
         and (forward_authorization or name.lower() != b"authorization")
     ]
-    kept.insert(0, (b"host", host.encode("ascii")))
+    hop = [(b"connection", b"Upgrade"), (b"upgrade", upgrade)] if upgrade is not None else []
+    kept[:0] = [(b"host", host.encode("ascii")), *hop]
     if credential is not None:
         kept = [(n, v) for n, v in kept if n.lower() != b"authorization"]
         kept.append((b"authorization", f"Bearer {credential}".encode()))

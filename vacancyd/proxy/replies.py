@@ -9,31 +9,23 @@ body, the code is in `X-Vacancyd-Reason` (vacancyd/refusals.py). A capacity refu
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
 
-from vacancyd.adapters.routes import Dialect
+from vacancyd.answers import Answer, Dialect, refusal_answer
 from vacancyd.model import Reason, Refuse
-from vacancyd.proxy.dialects import error_body
-from vacancyd.refusals import NO_VACANCY_STATUS, advice_headers, refusal_status
+from vacancyd.refusals import NO_VACANCY_STATUS
 
 Send = Any  # the ASGI send callable
-Headers = list[tuple[bytes, bytes]]
 
 
-async def send_json(
-    send: Send, status: int, payload: dict[str, Any], extra_headers: Headers | None = None
-) -> None:
-    body = json.dumps(payload).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"cache-control", b"no-store"),
-        *(extra_headers or []),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+async def send_answer(send: Send, answer: Answer) -> None:
+    """Write one of vacancyd's own answers through the ASGI server."""
+    body = answer.body()
+    await send(
+        {"type": "http.response.start", "status": answer.status, "headers": answer.headers(body)}
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -48,25 +40,19 @@ class Replies:
     retry_in_place: frozenset[Reason] = frozenset({Reason.RESOURCE_BUSY})
     busy_status: int = NO_VACANCY_STATUS
 
-    async def refusal(self, refusal: Refuse, *, close: bool = False) -> None:
+    def refusal_answer(self, refusal: Refuse, *, close: bool = False) -> Answer:
         """A 503 (or the busy status) the gateway can fail over on; `close` when a request
         body was left unread."""
-        code = refusal.reason.value
-        headers = advice_headers(
-            code,
-            retry_after_s=refusal.retry_after_s,
+        return refusal_answer(
+            refusal,
+            dialect=self.dialect,
             retry_in_place=refusal.reason in self.retry_in_place,
+            busy_status=self.busy_status,
+            close=close,
         )
-        if close:
-            headers.append((b"connection", b"close"))
-        body = error_body(
-            self.dialect,
-            "no_vacancy",
-            code,
-            refusal.detail,
-            retry_after_s=refusal.retry_after_s,
-        )
-        await send_json(self.send, refusal_status(code, self.busy_status), body, headers)
+
+    async def refusal(self, refusal: Refuse, *, close: bool = False) -> None:
+        await send_answer(self.send, self.refusal_answer(refusal, close=close))
 
     async def error(
         self,
@@ -80,13 +66,13 @@ class Replies:
     ) -> None:
         """Send an error; `close` when the request body was not read, so the connection is
         not reused with the rest of that body still in flight."""
-        error_type = "invalid_request_error" if status < 500 else "proxy_error"
-        headers = advice_headers(code, retry_after_s=retry_after_s)
-        if close:
-            headers.append((b"connection", b"close"))
-        if status == 401:
-            headers.append((b"www-authenticate", b'Bearer realm="vacancyd"'))
-        body = error_body(
-            self.dialect, error_type, code, message, retry_after_s=retry_after_s, **extra
+        answer = Answer(
+            status=status,
+            code=code,
+            message=message,
+            dialect=self.dialect,
+            retry_after_s=retry_after_s,
+            close=close,
+            extra=extra,
         )
-        await send_json(self.send, status, body, headers)
+        await send_answer(self.send, answer)

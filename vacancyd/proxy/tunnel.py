@@ -33,7 +33,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import json
 import logging
 from collections.abc import Collection
 
@@ -44,18 +43,17 @@ import trio
 from vacancyd.adapters.base import Adapter
 from vacancyd.adapters.routes import Dialect
 from vacancyd.admission import Admission
+from vacancyd.answers import Answer, refusal_answer
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig
 from vacancyd.errors import quiet_detail
 from vacancyd.model import Refuse
 from vacancyd.proxy.connect import Connector, UpstreamError
 from vacancyd.proxy.cors import cors_response_headers
-from vacancyd.proxy.dialects import error_body
 from vacancyd.proxy.forward import Relay, rewrite_location
-from vacancyd.proxy.headers import HOP_BY_HOP, header_value, response_headers
+from vacancyd.proxy.headers import header_value, request_headers, response_headers
 from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
 from vacancyd.reachability import Reachability
-from vacancyd.refusals import advice_headers, refusal_status
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,6 @@ MAX_RELAYED_ANSWER = 1024 * 1024
 _WEBSOCKET_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 # Never replayed: hop-by-hop (the upgrade's own pair is written afresh), Host (the
 # upstream's is written), and framing (an upgrade has no body).
-_NOT_REPLAYED = HOP_BY_HOP | {b"host", b"content-length"}
 
 
 def is_websocket_request(request: h11.Request) -> bool:
@@ -177,16 +174,14 @@ class WebSocketTunnels:
             return
         outcome = await self._admission.admit(self.upstream, None, borrower=borrower)
         if isinstance(outcome, Refuse):
-            await _answer(
-                stream,
-                dialect,
-                refusal_status(outcome.reason.value, self.upstream.busy_status.value),
-                outcome.reason.value,
-                outcome.detail,
-                retry_after_s=outcome.retry_after_s,
-                error_type="no_vacancy",
+            refused = refusal_answer(
+                outcome,
+                dialect=dialect,
                 retry_in_place=outcome.reason in self._retry_in_place,
+                busy_status=self.upstream.busy_status.value,
+                close=True,
             )
+            await _send_quietly(stream, refused.raw())
             return
         relay = Relay()
         self._admission.attach(outcome, relay)  # reclaim may cut the socket
@@ -266,30 +261,15 @@ class WebSocketTunnels:
             self.reachability.note(self.upstream.name, error, trio.current_time())
 
     def _replayed(self, request: h11.Request, target: bytes) -> h11.Request:
-        headers = list(request.headers)
-        named = {
-            token.strip().lower()
-            for name, value in headers
-            if name == b"connection"
-            for token in value.split(b",")
-        }
-        dropped = _NOT_REPLAYED | named | self.adapter.drop_request_headers
-        if not self.upstream.forward_authorization or self._credential is not None:
-            dropped |= {b"authorization"}
-        kept = [
-            (name, value)
-            for name, value in headers
-            if name not in dropped and not name.startswith(b"proxy-")
-        ]
-        replayed = [
-            (b"host", self.target.host_header.encode()),
-            (b"connection", b"Upgrade"),
-            (b"upgrade", b"websocket"),
-            *kept,
-        ]
-        if self._credential is not None:
-            replayed.append((b"authorization", b"Bearer " + self._credential.encode()))
-        return h11.Request(method=b"GET", target=target, headers=replayed)
+        headers = request_headers(
+            list(request.headers),
+            host=self.target.host_header,
+            forward_authorization=self.upstream.forward_authorization,
+            credential=self._credential,
+            dropped=self.adapter.drop_request_headers,
+            upgrade=b"websocket",
+        )
+        return h11.Request(method=b"GET", target=target, headers=headers)
 
     async def _handshake(
         self, upstream: trio.abc.Stream, request: h11.Request, key: bytes
@@ -460,34 +440,18 @@ async def _answer(
     message: str,
     *,
     retry_after_s: int | None = None,
-    error_type: str | None = None,
-    retry_in_place: bool | None = None,
 ) -> None:
-    """A plain HTTP answer to an upgrade we will not tunnel, then the connection ends.
-
-    Shaped as the proxy's own answers are (proxy/replies.py): the route's dialect, the
-    reason header, and for a refusal Retry-After and the retry stance."""
-    kind = error_type or ("invalid_request_error" if status < 500 else "proxy_error")
-    payload = error_body(dialect, kind, code, message, retry_after_s=retry_after_s)
-    body = json.dumps(payload).encode()
-    reasons = {
-        400: b"Bad Request",
-        401: b"Unauthorized",
-        403: b"Forbidden",
-        501: b"Not Implemented",
-        502: b"Bad Gateway",
-    }
-    head = [
-        b"HTTP/1.1 %d %s" % (status, reasons.get(status, b"Service Unavailable")),
-        b"content-type: application/json",
-        b"content-length: " + str(len(body)).encode(),
-        b"connection: close",
-    ]
-    if status == 401:
-        head.append(b'www-authenticate: Bearer realm="vacancyd"')
-    advice = advice_headers(code, retry_after_s=retry_after_s, retry_in_place=retry_in_place)
-    head += [name + b": " + value for name, value in advice]
-    await _send_quietly(stream, b"\r\n".join(head) + b"\r\n\r\n" + body)
+    """A plain HTTP answer to an upgrade we will not tunnel, then the connection ends:
+    rendered as every answer of vacancyd's own is (vacancyd/answers.py)."""
+    answer = Answer(
+        status=status,
+        code=code,
+        message=message,
+        dialect=dialect,
+        retry_after_s=retry_after_s,
+        close=True,
+    )
+    await _send_quietly(stream, answer.raw())
 
 
 __all__ = [
