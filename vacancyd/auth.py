@@ -13,6 +13,7 @@ import hmac
 import ipaddress
 import os
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -75,7 +76,7 @@ class Authenticator:
         self.counts: Counter[tuple[str, str]] = Counter()
 
     def check_borrower(
-        self, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | list[Any] | None
+        self, headers: Sequence[tuple[bytes, bytes]], client: tuple[str, int] | list[Any] | None
     ) -> AuthResult:
         """The borrow-scope decision for a proxied request or WebSocket upgrade."""
         authorization = next((v for n, v in headers if n.lower() == b"authorization"), None)

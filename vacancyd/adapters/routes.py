@@ -158,6 +158,8 @@ class RouteRules(Protocol):
 
     def listed_reads(self) -> list[str]: ...
 
+    def dialect_for(self, found: Classification) -> Dialect: ...
+
 
 def remove_dot_segments(path: str) -> str:
     """RFC 3986 section 5.2.4, as an HTTP client resolves a URL before sending it.

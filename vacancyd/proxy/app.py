@@ -26,7 +26,7 @@ import trio
 from vacancyd.adapters.actions import ReclaimActions, UpstreamContext
 from vacancyd.adapters.base import Adapter
 from vacancyd.adapters.residency import ResidencyWatch, WorkRequest
-from vacancyd.adapters.routes import Classification, WorkFacts
+from vacancyd.adapters.routes import WorkFacts
 from vacancyd.admission import Admission, Prove, Reservation
 from vacancyd.auth import Authenticator
 from vacancyd.config import LimitsConfig, UpstreamConfig
@@ -39,17 +39,10 @@ from vacancyd.proxy.connect import Connector
 from vacancyd.proxy.cors import cross_origin_send, preflight_answer
 from vacancyd.proxy.exchange import UpstreamExchange
 from vacancyd.proxy.forward import Relay
-from vacancyd.proxy.headers import header_value
-from vacancyd.proxy.policy import (
-    Refusal,
-    RequestHead,
-    asks_for_websocket,
-    front_door,
-    is_chunked,
-    preflight,
-)
+from vacancyd.proxy.policy import AfterRelay, Refusal, after_relay, front_door, preflight
 from vacancyd.proxy.pool import UpstreamPool
 from vacancyd.proxy.replies import Replies
+from vacancyd.proxy.request import BorrowedRequest, from_scope
 from vacancyd.proxy.tracking import track_job
 from vacancyd.reachability import Reachability
 
@@ -125,31 +118,26 @@ class ProxyApp:
             self._pool.close()
 
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        method: str = scope["method"]
-        head = RequestHead(
-            method,
-            scope["raw_path"],
-            scope["query_string"],
-            headers,
-            websocket=asks_for_websocket(method, headers),
-        )
-        asked = preflight(head, self.adapter, self.upstream.management)
+        request = from_scope(scope, self.adapter)
+        asked = preflight(request.head, self.adapter, self.upstream.management)
         if asked is not None:
-            answer = preflight_answer(asked.found, headers, self.cors_origins)
-            if _has_body(headers):  # browsers send none; never reuse a connection after one
+            answer = preflight_answer(asked.found, request.headers, self.cors_origins)
+            if request.framing.has_body:  # browsers send none; never reuse the connection
                 answer.append((b"connection", b"close"))
             await send({"type": "http.response.start", "status": 204, "headers": answer})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        origin = header_value(headers, b"origin")
-        if origin is not None:
-            send = cross_origin_send(send, origin, self.cors_origins)
-        found = self.adapter.classify(method, head.raw_path, head.query)
-        replies = self._replies(send, found)
-        verdict = self._auth.check_borrower(headers, scope.get("client"))
+        if request.origin is not None:
+            send = cross_origin_send(send, request.origin, self.cors_origins)
+        replies = self._replies(send, request)
+        verdict = self._auth.check_borrower(request.headers, request.client)
         decision = front_door(
-            head, self.adapter, self.upstream.management, verdict, self.cors_origins, found
+            request.head,
+            self.adapter,
+            self.upstream.management,
+            verdict,
+            self.cors_origins,
+            request.found,
         )
         if isinstance(decision, Refusal):
             extra: dict[str, Any] = {}
@@ -157,71 +145,53 @@ class ProxyApp:
                 extra["allowed_reads"] = list(decision.allowed_reads)
             # A body left unread ends the connection (hypercorn closes it once the answer
             # is out): say so, so the client does not send its next request into it.
-            close = _has_body(headers)
+            close = request.framing.has_body
             await replies.error(
                 decision.status, decision.code, decision.message, close=close, **extra
             )
             return
+        request = request.admitted_as(verdict.token_name)
         if decision.gated:
-            await self._work(decision.found, scope, receive, replies, verdict.token_name)
+            await self._work(request, receive, replies)
         else:
-            await self._pass(decision.found, scope, receive, replies)
+            await self._pass(request, receive, replies)
 
-    def _replies(self, send: Any, found: Classification) -> Replies:
+    def _replies(self, send: Any, request: BorrowedRequest) -> Replies:
         """How this request is answered by vacancyd itself: in its route's dialect."""
-        return Replies(
-            send,
-            self.adapter.dialect_for(found),
-            self._retry_in_place,
-            self.upstream.busy_status.value,
-        )
+        return Replies(send, request.dialect, self._retry_in_place, self.upstream.busy_status.value)
 
-    async def _pass(
-        self, found: Classification, scope: dict[str, Any], receive: Any, replies: Replies
-    ) -> None:
-        async with self._buffered_body(scope, receive, replies) as body:
+    async def _pass(self, request: BorrowedRequest, receive: Any, replies: Replies) -> None:
+        async with self._buffered_body(request, receive, replies) as body:
             if body is None:
                 return
-            await self._exchange.forward(found, scope, receive, replies, body, reservation=None)
+            await self._exchange.forward(request, receive, replies, body, reservation=None)
 
-    async def _work(
-        self,
-        found: Classification,
-        scope: dict[str, Any],
-        receive: Any,
-        replies: Replies,
-        borrower: str,
-    ) -> None:
+    async def _work(self, request: BorrowedRequest, receive: Any, replies: Replies) -> None:
         # Judge what can be judged without the body first: a request that will be refused
         # anyway is refused before its body is read (and before `100 Continue`).
-        early = self._admission.refusal_before_body(self.upstream, borrower=borrower)
+        early = self._admission.refusal_before_body(self.upstream, borrower=request.borrower)
         if early is not None:
-            self._log_refusal(scope, found, early)
-            await replies.refusal(early, close=_has_body(scope["headers"]))
+            self._log_refusal(request, early)
+            await replies.refusal(early, close=request.framing.has_body)
             return
-        async with self._buffered_body(scope, receive, replies) as body:
+        async with self._buffered_body(request, receive, replies) as body:
             if body is not None:
-                await self._admit_and_forward(found, scope, receive, replies, body, borrower)
+                await self._admit_and_forward(request, receive, replies, body)
 
-    def _log_refusal(self, scope: dict[str, Any], found: Classification, refusal: Refuse) -> None:
+    def _log_refusal(self, request: BorrowedRequest, refusal: Refuse) -> None:
         log.info(
             "refused %s %s on %s: %s (%s)",
-            scope["method"],
-            found.path,
+            request.method,
+            request.path,
             self.upstream.name,
             refusal.reason.value,
             refusal.for_operator,
         )
 
     async def _admit_and_forward(
-        self,
-        found: Classification,
-        scope: dict[str, Any],
-        receive: Any,
-        replies: Replies,
-        body: bytes,
-        borrower: str,
+        self, borrowed: BorrowedRequest, receive: Any, replies: Replies, body: bytes
     ) -> None:
+        found = borrowed.found
         facts = WorkFacts(model=None)
         parsed: Mapping[str, Any] = {}
         if found.route is not None and found.route.json_body:
@@ -245,10 +215,10 @@ class ProxyApp:
             facts.job_ids,
             prove=self._prover(request),
             hint=hint,
-            borrower=borrower,
+            borrower=borrowed.borrower,
         )
         if isinstance(outcome, Refuse):
-            self._log_refusal(scope, found, outcome)
+            self._log_refusal(borrowed, outcome)
             await replies.refusal(outcome)
             return
         status: int | None = None
@@ -263,25 +233,29 @@ class ProxyApp:
                 before = await self.footprints.host_memory(self.upstream)
                 outcome.host_rss_before_mib = None if before is None else before.rss_mib
             status = await self._exchange.forward(
-                found, scope, receive, replies, body, reservation=outcome, relay=relay
+                borrowed, receive, replies, body, reservation=outcome, relay=relay
             )
         finally:
-            actions = self.adapter.actions
-            if (
-                status is not None
-                and 200 <= status < 300
-                and outcome.job_ids
-                and actions is not None
-                and self.background is not None
-            ):
-                # The upstream accepted a job it runs on its own: hold until it is done,
-                # then learn what it loaded.
-                self._admission.track(outcome)
-                self.background.start_soon(self._track_then_learn, request, outcome, actions)
-            else:
-                self._admission.release(outcome)
-                if status is not None and 200 <= status < 300 and not outcome.shared:
-                    self._learn_after_load(request, outcome)
+            self._after_relay(status, request, outcome)
+
+    def _after_relay(self, status: int | None, request: WorkRequest, job: Reservation) -> None:
+        """Track the job or release it, as `after_relay` decides (proxy/policy.py)."""
+        actions = self.adapter.actions
+        then = after_relay(
+            status,
+            has_job_ids=bool(job.job_ids),
+            can_track=actions is not None and self.background is not None,
+            shared=job.shared,
+        )
+        if then is AfterRelay.TRACK:
+            assert actions is not None and self.background is not None
+            # Held until the upstream says the job is done, then learned from.
+            self._admission.track(job)
+            self.background.start_soon(self._track_then_learn, request, job, actions)
+            return
+        self._admission.release(job)
+        if then is AfterRelay.RELEASE_AND_LEARN:
+            self._learn_after_load(request, job)
 
     def probe_prover(self, model: str | None) -> Prove | None:
         """Residency proof for the vacancy probe's question: an OpenAI chat request for
@@ -353,17 +327,15 @@ class ProxyApp:
 
     @asynccontextmanager
     async def _buffered_body(
-        self, scope: dict[str, Any], receive: Any, replies: Replies
+        self, request: BorrowedRequest, receive: Any, replies: Replies
     ) -> AsyncIterator[bytes | None]:
         """The request body, or None once a refusal has been sent.
 
         The body's share of the listener's budget is held for the whole block, that is
         until the body has been forwarded (or refused): that is when its memory is freed.
         """
-        headers = scope["headers"]
-        declared = header_value(headers, b"content-length")
-        declared_size = int(declared) if declared is not None and declared.isdigit() else None
-        if declared_size == 0 or (declared_size is None and not is_chunked(headers)):
+        declared_size = request.framing.length
+        if not request.framing.has_body:
             yield b""
             return
         if declared_size is not None and declared_size > self._max_body:
@@ -407,11 +379,6 @@ class ProxyApp:
         await drain_body(
             receive, limit_bytes=2 * self._max_body, deadline_s=self._limits.body_idle_timeout_s
         )
-
-
-def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
-    declared = header_value(headers, b"content-length")
-    return is_chunked(headers) or (declared is not None and declared.strip() not in (b"", b"0"))
 
 
 def _parse_json_object(body: bytes) -> Mapping[str, Any] | str:

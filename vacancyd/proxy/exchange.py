@@ -18,7 +18,6 @@ from typing import Any
 
 import trio
 
-from vacancyd.adapters.routes import Classification
 from vacancyd.admission import Admission, Reservation
 from vacancyd.config import LimitsConfig, Target, UpstreamConfig
 from vacancyd.errors import UpstreamUnavailable, quiet_detail
@@ -28,8 +27,9 @@ from vacancyd.proxy.forward import DisconnectWatch, Relay, UpstreamResponse, ope
 from vacancyd.proxy.headers import header_value, request_headers
 from vacancyd.proxy.pool import UpstreamError, UpstreamPool
 from vacancyd.proxy.replies import Replies
+from vacancyd.proxy.request import BorrowedRequest
 from vacancyd.reachability import Reachability
-from vacancyd.serving_protocol import HEAD_WITH_BODY, StreamCut
+from vacancyd.serving_protocol import StreamCut
 
 log = logging.getLogger("vacancyd.proxy.app")
 
@@ -66,8 +66,7 @@ class UpstreamExchange:
 
     async def forward(
         self,
-        found: Classification,
-        scope: dict[str, Any],
+        request: BorrowedRequest,
         receive: Any,
         replies: Replies,
         body: bytes,
@@ -86,8 +85,9 @@ class UpstreamExchange:
         `relay` is the job's handle where the caller attached it to the reservation
         earlier; one cut before the relay begins is answered as a cut, nothing is sent.
         """
+        found = request.found
         headers = request_headers(
-            scope["headers"],
+            list(request.headers),
             host=self._target.host_header,
             forward_authorization=self._upstream.forward_authorization,
             credential=self._credential,
@@ -114,9 +114,9 @@ class UpstreamExchange:
                         response = await open_upstream(
                             self._pool,
                             self._target,
-                            scope["method"],
+                            request.method,
                             found.path,
-                            scope["query_string"],
+                            request.query,
                             headers,
                             body,
                         )
@@ -145,12 +145,12 @@ class UpstreamExchange:
                     # What httpx's request line said, less the query string; off unless debug.
                     log.debug(
                         "relayed %s %s on %s: %d",
-                        scope["method"],
+                        request.method,
                         found.path,
                         self._upstream.name,
                         response.status,
                     )
-                    hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
+                    hold_head = request.hold_head
                     answered = (
                         partial(self._admission.answered, reservation) if reservation else None
                     )
@@ -160,15 +160,15 @@ class UpstreamExchange:
                 nursery.cancel_scope.cancel()
         timed_out = timed_out or relay.silent
         if relay.refusal is not None:
-            await self._answer_reclaimed(replies, relay.refusal, response, tail, scope, found)
+            await self._answer_reclaimed(replies, relay.refusal, response, tail, request)
             return None
         if timed_out is not None:
-            await self._answer_timed_out(replies, timed_out, response, tail, scope, found)
+            await self._answer_timed_out(replies, timed_out, response, tail, request)
             return None
         if watch.client_left:
             log.info(
                 "client left %s %s on %s%s",
-                scope["method"],
+                request.method,
                 found.path,
                 self._upstream.name,
                 f" (job {reservation.job_id})" if reservation else "",
@@ -267,8 +267,7 @@ class UpstreamExchange:
         refusal: Refuse,
         response: UpstreamResponse | None,
         tail: StreamTail,
-        scope: dict[str, Any],
-        found: Classification,
+        request: BorrowedRequest,
     ) -> None:
         """Tell the borrower its job was cut: a 503 before the answer's headers; after
         them, a last error frame where the stream's framing allows one, then a break."""
@@ -276,8 +275,8 @@ class UpstreamExchange:
         log.log(
             logging.WARNING if started else logging.INFO,
             "reclaim cut %s %s on %s %s: %s",
-            scope["method"],
-            found.path,
+            request.method,
+            request.path,
             self._upstream.name,
             "mid-stream" if started else "before its answer",
             refusal.for_operator,
@@ -294,8 +293,7 @@ class UpstreamExchange:
         why: str,
         response: UpstreamResponse | None,
         tail: StreamTail,
-        scope: dict[str, Any],
-        found: Classification,
+        request: BorrowedRequest,
     ) -> None:
         """The upstream missed a deadline: 504 before the answer's head; after it, a last
         error frame where the framing allows one, then a break. Either way the upstream
@@ -304,8 +302,8 @@ class UpstreamExchange:
         log.warning(
             "upstream %s timed out on %s %s %s: %s",
             self._upstream.name,
-            scope["method"],
-            found.path,
+            request.method,
+            request.path,
             "mid-answer" if started else "before its answer",
             why,
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import attrs
+
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -120,3 +122,43 @@ def header_value(headers: Iterable[tuple[bytes, bytes]], wanted: bytes) -> bytes
         if name.lower() == wanted:
             return value
     return None
+
+
+@attrs.frozen
+class Framing:
+    """How a request head says its body is framed, read once for every decision on it."""
+
+    # The Content-Length as sent, if the head has one.
+    declared: bytes | None
+    # Whether Transfer-Encoding names chunked.
+    chunked: bool
+
+    @property
+    def length(self) -> int | None:
+        """The Content-Length as a number; None without one, or with one that is not a
+        number (the listener's parser refuses those before a request gets this far)."""
+        value = None if self.declared is None else self.declared.strip()
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def ambiguous(self) -> bool:
+        """Content-Length together with chunked: which one frames the body is the kind of
+        question request smuggling is made of, so such a request is refused."""
+        return self.declared is not None and self.chunked
+
+    @property
+    def has_body(self) -> bool:
+        """Whether the head announces body bytes: chunked, or a Content-Length other than
+        0 (one that cannot be read counts as a body: it is not known to have none)."""
+        return self.chunked or (
+            self.declared is not None and self.declared.strip().lstrip(b"0") != b""
+        )
+
+
+def framing_of(headers: Iterable[tuple[bytes, bytes]]) -> Framing:
+    headers = list(headers)
+    encoding = header_value(headers, b"transfer-encoding")
+    return Framing(
+        header_value(headers, b"content-length"),
+        encoding is not None and b"chunked" in encoding.lower(),
+    )

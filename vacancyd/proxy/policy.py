@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
+import functools
 from collections.abc import Collection, Sequence
 
 import attrs
@@ -44,7 +46,13 @@ from vacancyd.access import AuthResult
 from vacancyd.adapters.routes import Classification, RouteClass, RouteRules
 from vacancyd.config.schema import Management
 from vacancyd.proxy.cors import is_allowed, is_preflight
-from vacancyd.proxy.headers import from_another_origin, header_value, is_cross_origin
+from vacancyd.proxy.headers import (
+    Framing,
+    framing_of,
+    from_another_origin,
+    header_value,
+    is_cross_origin,
+)
 
 Headers = Sequence[tuple[bytes, bytes]]
 # Methods that only read: a page of another origin may send them (it cannot read the
@@ -60,6 +68,11 @@ class RequestHead:
     headers: Headers
     # Whether the head asks to switch to a WebSocket (see `asks_for_websocket`).
     websocket: bool = False
+
+    @functools.cached_property
+    def framing(self) -> Framing:
+        """How the body is framed, parsed once for every decision on this head."""
+        return framing_of(self.headers)
 
 
 @attrs.frozen
@@ -200,23 +213,15 @@ def _from_a_refused_page(
 
 
 def _framing_refusal(head: RequestHead) -> Refusal | None:
-    length = header_value(head.headers, b"content-length")
-    chunked = is_chunked(head.headers)
-    if length is not None and chunked:
+    if head.framing.ambiguous:
         return Refusal(400, "ambiguous_framing", "Content-Length together with chunked encoding")
-    if not declares_body(head.headers):
+    if not head.framing.has_body:
         return None
     if head.websocket:
         return Refusal(400, "websocket_with_body", "a WebSocket upgrade request carries no body")
     if head.method in READS:
         return Refusal(400, "body_not_allowed", f"a {head.method} request carries no body")
     return None
-
-
-def declares_body(headers: Headers) -> bool:
-    """Whether a head announces body bytes: chunked, or a Content-Length other than 0."""
-    length = header_value(headers, b"content-length")
-    return is_chunked(headers) or (length is not None and length.strip().lstrip(b"0") != b"")
 
 
 def _handshake_problem(headers: Headers) -> str | None:
@@ -253,6 +258,25 @@ def _has_token(headers: Headers, name: bytes, token: bytes) -> bool:
     )
 
 
-def is_chunked(headers: Headers) -> bool:
-    value = header_value(headers, b"transfer-encoding")
-    return value is not None and b"chunked" in value.lower()
+class AfterRelay(enum.Enum):
+    """What becomes of a borrowed job's reservation once its exchange is over."""
+
+    # The upstream accepted a job it runs on after answering (it has job ids and an
+    # adapter that can ask about them): held until the job is done, then learned from.
+    TRACK = "track"
+    # Served: released, and what it may have loaded is learned.
+    RELEASE_AND_LEARN = "release_and_learn"
+    # Refused, failed, cut, or served on residency credit (it loaded nothing): released.
+    RELEASE = "release"
+
+
+def after_relay(
+    status: int | None, *, has_job_ids: bool, can_track: bool, shared: bool
+) -> AfterRelay:
+    """The track-or-release decision after a work request's relay, from its outcome."""
+    served = status is not None and 200 <= status < 300
+    if served and has_job_ids and can_track:
+        return AfterRelay.TRACK
+    if served and not shared:
+        return AfterRelay.RELEASE_AND_LEARN
+    return AfterRelay.RELEASE

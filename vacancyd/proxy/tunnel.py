@@ -52,7 +52,8 @@ from vacancyd.proxy.connect import Connector, UpstreamError
 from vacancyd.proxy.cors import cors_response_headers
 from vacancyd.proxy.forward import Relay, rewrite_location
 from vacancyd.proxy.headers import header_value, request_headers, response_headers
-from vacancyd.proxy.policy import Forward, Refusal, RequestHead, asks_for_websocket, front_door
+from vacancyd.proxy.policy import Refusal, asks_for_websocket, front_door
+from vacancyd.proxy.request import BorrowedRequest, from_upgrade
 from vacancyd.reachability import Reachability
 
 log = logging.getLogger(__name__)
@@ -127,24 +128,28 @@ class WebSocketTunnels:
     ) -> None:
         """Serve one connection from its upgrade head on, then close it."""
         async with stream:
-            headers = list(request.headers)
-            raw_path, _, query = bytes(request.target).partition(b"?")
-            head = RequestHead(
-                request.method.decode("ascii"), raw_path, query, headers, websocket=True
+            borrowed = from_upgrade(
+                request.method, bytes(request.target), request.headers, client, self.adapter
             )
-            verdict = self._auth.check_borrower(headers, client)
+            verdict = self._auth.check_borrower(borrowed.headers, client)
             decision = front_door(
-                head, self.adapter, self.upstream.management, verdict, self._cors_origins
+                borrowed.head,
+                self.adapter,
+                self.upstream.management,
+                verdict,
+                self._cors_origins,
+                borrowed.found,
             )
-            dialect = self.adapter.dialect_for(self.adapter.classify("GET", raw_path, query))
             if isinstance(decision, Refusal):
-                await _answer(stream, dialect, decision.status, decision.code, decision.message)
+                await _answer(
+                    stream, borrowed.dialect, decision.status, decision.code, decision.message
+                )
                 return
             # Taken with no checkpoint since the count was read: the cap cannot be raced.
             if self.open >= self._limits.max_websockets:
                 await _answer(
                     stream,
-                    dialect,
+                    borrowed.dialect,
                     503,
                     "too_many_websockets",
                     "this listener has as many WebSocket tunnels open as it may",
@@ -154,29 +159,22 @@ class WebSocketTunnels:
             self.open += 1
             try:
                 await self._admit_and_tunnel(
-                    stream, request, decision, query, rest, dialect, verdict.token_name
+                    stream, borrowed.admitted_as(verdict.token_name), decision.gated, rest
                 )
             finally:
                 self.open -= 1
 
     async def _admit_and_tunnel(
-        self,
-        stream: trio.SocketStream,
-        request: h11.Request,
-        decision: Forward,
-        query: bytes,
-        rest: bytes,
-        dialect: Dialect,
-        borrower: str,
+        self, stream: trio.SocketStream, borrowed: BorrowedRequest, gated: bool, rest: bytes
     ) -> None:
-        if not decision.gated:
-            await self._tunnel(stream, request, decision.found.path, query, rest, dialect)
+        if not gated:
+            await self._tunnel(stream, borrowed, rest)
             return
-        outcome = await self._admission.admit(self.upstream, None, borrower=borrower)
+        outcome = await self._admission.admit(self.upstream, None, borrower=borrowed.borrower)
         if isinstance(outcome, Refuse):
             refused = refusal_answer(
                 outcome,
-                dialect=dialect,
+                dialect=borrowed.dialect,
                 retry_in_place=outcome.reason in self._retry_in_place,
                 busy_status=self.upstream.busy_status.value,
                 close=True,
@@ -187,18 +185,12 @@ class WebSocketTunnels:
         self._admission.attach(outcome, relay)  # reclaim may cut the socket
         try:
             with relay.scope:
-                await self._tunnel(stream, request, decision.found.path, query, rest, dialect)
+                await self._tunnel(stream, borrowed, rest)
         finally:
             self._admission.release(outcome)
 
     async def _tunnel(
-        self,
-        stream: trio.SocketStream,
-        request: h11.Request,
-        path: str,
-        query: bytes,
-        rest: bytes,
-        dialect: Dialect,
+        self, stream: trio.SocketStream, borrowed: BorrowedRequest, rest: bytes
     ) -> None:
         try:
             upstream, _ = await self._connector.open()
@@ -209,11 +201,11 @@ class WebSocketTunnels:
             # is refused, and the vacancy probe says so, until a health read is answered.
             self._admission.note_not_answering(self.upstream.name, f"cannot be reached: {exc}")
             await _answer(
-                stream, dialect, 502, "upstream_unavailable", "the upstream did not answer"
+                stream, borrowed.dialect, 502, "upstream_unavailable", "the upstream did not answer"
             )
             return
         try:
-            await self._through(stream, upstream, request, path, query, rest, dialect)
+            await self._through(stream, upstream, borrowed, rest)
         finally:
             # At once, without a TLS goodbye a stalled upstream would never read.
             await trio.aclose_forcefully(upstream)
@@ -222,23 +214,20 @@ class WebSocketTunnels:
         self,
         stream: trio.SocketStream,
         upstream: trio.abc.Stream,
-        request: h11.Request,
-        path: str,
-        query: bytes,
+        borrowed: BorrowedRequest,
         rest: bytes,
-        dialect: Dialect,
     ) -> None:
         """The handshake on a connected upstream, then the tunnel or the relayed no."""
-        target = (self.target.base_path + path).encode("ascii")
-        if query:
-            target += b"?" + query
-        key = header_value(request.headers, b"sec-websocket-key") or b""
-        answer = await self._handshake(upstream, self._replayed(request, target), key)
+        target = (self.target.base_path + borrowed.path).encode("ascii")
+        if borrowed.query:
+            target += b"?" + borrowed.query
+        key = header_value(borrowed.headers, b"sec-websocket-key") or b""
+        answer = await self._handshake(upstream, self._replayed(borrowed, target), key)
         self._reached(None if answer else "no valid answer to a WebSocket upgrade")
         if answer is None:
             await _answer(
                 stream,
-                dialect,
+                borrowed.dialect,
                 502,
                 "upstream_unavailable",
                 "the upstream did not answer the upgrade",
@@ -246,8 +235,7 @@ class WebSocketTunnels:
             return
         if not answer.switched:
             self.refused_not_switched += 1
-            origin = header_value(request.headers, b"origin")
-            relayed = relayed_refusal(answer, self.target, origin, self._cors_origins)
+            relayed = relayed_refusal(answer, self.target, borrowed.origin, self._cors_origins)
             await _send_quietly(stream, relayed)
             return
         await _send_quietly(stream, answer.raw)
@@ -260,9 +248,9 @@ class WebSocketTunnels:
         if self.reachability is not None:
             self.reachability.note(self.upstream.name, error, trio.current_time())
 
-    def _replayed(self, request: h11.Request, target: bytes) -> h11.Request:
+    def _replayed(self, borrowed: BorrowedRequest, target: bytes) -> h11.Request:
         headers = request_headers(
-            list(request.headers),
+            list(borrowed.headers),
             host=self.target.host_header,
             forward_authorization=self.upstream.forward_authorization,
             credential=self._credential,
