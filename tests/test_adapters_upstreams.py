@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import in_process_daemon
 from tests.support.fake_chatterbox import FakeChatterbox
 from tests.support.fake_comfyui import CANONICAL_UUID, FakeComfyUI, graph
@@ -28,23 +29,7 @@ from tests.support.fake_ollama import FakeOllama
 
 
 def config(adapter: str, url: str, tmp_path: Path) -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "up"
-adapter = "{adapter}"
-listen = "127.0.0.1:0"
-target = "{url}"
-resource = "ram"
-"""
+    return daemon_config(upstream("up", url, adapter=adapter), state_dir=tmp_path / "state")
 
 
 def client() -> httpx.AsyncClient:

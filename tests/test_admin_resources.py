@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import trio
 
+from tests.support.configs import cpu, daemon_config, memory, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 
@@ -34,37 +35,20 @@ def sha256(token: str) -> str:
 
 
 def config(echo: EchoUpstream, tmp_path: Path) -> str:
-    tokens = "".join(
-        f'[[auth.tokens]]\nname = "{name}"\nscopes = ["{scope}"]\nsha256 = "{sha256(token)}"\n'
+    tokens = [
+        {"name": name, "scopes": [scope], "sha256": sha256(token)}
         for name, scope, token in (
             ("borrower", "borrow", BORROW),
             ("reader", "read", READ),
             ("owner", "admin", ADMIN),
         )
+    ]
+    return daemon_config(
+        upstream("echo", echo.url),
+        state_dir=tmp_path / "state",
+        auth={"trust_loopback": False, "tokens": tokens},
+        resources=[memory(), cpu()],
     )
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[auth]
-trust_loopback = false
-{tokens}
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[resource]]
-name = "cpu"
-kind = "cpu"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{echo.url}"
-resource = "ram"
-"""
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -33,6 +33,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import NO_RESERVE, daemon_config, memory, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.desktop import (
     SessionBusFixture,
@@ -53,41 +54,24 @@ MUTTER_PATH = "/org/gnome/Mutter/IdleMonitor/Core"
 WORK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {"model": "m", "stream": True, "echo_stream": {"events": 3}}
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-[owner]
-presence = "logind"
-release_after_s = 0
-idle_after_s = 300
-agent_socket = "{socket}"
-[[resource]]
-name = "ram"
-kind = "memory"
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-[[resource]]
-name = "ram2"
-kind = "memory"
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-[[upstream]]
-name = "chat"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-default_need_mib = {{ ram = 64 }}
-[[upstream]]
-name = "stream"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram2"
-on_owner_return = "cancel"
-default_need_mib = {{ ram2 = 64 }}
-"""
+
+def agent_config(state_dir: Path, socket: Path, target: str) -> str:
+    return daemon_config(
+        upstream("chat", target, adapter="llamacpp", default_need_mib={"ram": 64}),
+        upstream(
+            "stream",
+            target,
+            adapter="llamacpp",
+            resource="ram2",
+            on_owner_return="cancel",
+            default_need_mib={"ram2": 64},
+        ),
+        state_dir=state_dir,
+        poll_interval_s=None,
+        presence="logind",
+        owner={"release_after_s": 0, "idle_after_s": 300, "agent_socket": socket},
+        resources=[memory(**NO_RESERVE), memory("ram2", **NO_RESERVE)],
+    )
 
 
 @asynccontextmanager
@@ -133,7 +117,7 @@ async def test_what_the_owner_does_on_the_desktop_reaches_the_borrower(
     run_dir: Path,
 ) -> None:
     socket_path = run_dir / "agent.sock"
-    config = CONFIG.format(state_dir=tmp_path / "state", socket=socket_path, target=echo.url)
+    config = agent_config(tmp_path / "state", socket_path, echo.url)
     async with (
         session_bus(tmp_path / "session") as desktop,
         in_process_daemon(config) as daemon,
@@ -196,7 +180,7 @@ async def test_a_pause_from_the_session_survives_a_restart_and_ends_by_itself(
     owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> None:
     socket_path = run_dir / "agent.sock"
-    config = CONFIG.format(state_dir=tmp_path / "state", socket=socket_path, target=echo.url)
+    config = agent_config(tmp_path / "state", socket_path, echo.url)
     async with (
         in_process_daemon(config) as daemon,
         httpx.AsyncClient(trust_env=False, timeout=30) as client,

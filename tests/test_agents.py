@@ -27,6 +27,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import NO_RESERVE, daemon_config, memory, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.desktop import (
     owner_logind_fixture,  # noqa: F401  (registers the owner_logind fixture)
@@ -49,29 +50,16 @@ WORK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 HEARTBEAT_S = 0.3
 AWAY = Report(seq=1, heartbeat_s=HEARTBEAT_S, idle_ms=400_000, idle_source="kde", locked=False)
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 3600
-[owner]
-presence = "logind"
-release_after_s = 0
-idle_after_s = 300
-agent_socket = "{socket}"
-[[resource]]
-name = "ram"
-kind = "memory"
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-[[upstream]]
-name = "echo"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-default_need_mib = {{ ram = 64 }}
-"""
+
+def agent_config(state_dir: Path, socket: Path, target: str) -> str:
+    return daemon_config(
+        upstream("echo", target, adapter="llamacpp", default_need_mib={"ram": 64}),
+        state_dir=state_dir,
+        poll_interval_s=3600,
+        presence="logind",
+        owner={"release_after_s": 0, "idle_after_s": 300, "agent_socket": socket},
+        resources=[memory(**NO_RESERVE)],
+    )
 
 
 @attrs.define
@@ -113,7 +101,7 @@ async def lender(
     owner_logind: MockLogind, echo: EchoUpstream, tmp_path: Path, run_dir: Path
 ) -> AsyncIterator[tuple[InProcessDaemon, httpx.AsyncClient, Path]]:
     path = run_dir / "agent.sock"
-    config = CONFIG.format(state_dir=tmp_path / "state", socket=path, target=echo.url)
+    config = agent_config(tmp_path / "state", path, echo.url)
     async with (
         in_process_daemon(config) as daemon,
         httpx.AsyncClient(trust_env=False, timeout=30) as client,

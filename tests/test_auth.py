@@ -23,6 +23,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import (
     InProcessDaemon,
     daemon_env,
@@ -57,7 +58,7 @@ def private_file(path: Path, text: str, mode: int = 0o600) -> Path:
 
 
 def config(
-    upstream: EchoUpstream,
+    echo: EchoUpstream,
     tmp_path: Path,
     *,
     trust_loopback: bool = False,
@@ -65,38 +66,19 @@ def config(
     upstream_extra: str = "",
 ) -> str:
     read_file = private_file(tmp_path / "read.token", READ, read_token_mode)
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[auth]
-trust_loopback = {str(trust_loopback).lower()}
-[[auth.tokens]]
-name = "borrower"
-scopes = ["borrow"]
-sha256 = "{sha256(BORROW)}"
-[[auth.tokens]]
-name = "scraper"
-scopes = ["read"]
-file = "{read_file}"
-[[auth.tokens]]
-name = "owner"
-scopes = ["admin"]
-sha256 = "{sha256(ADMIN)}"
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-{upstream_extra}
-"""
+    return daemon_config(
+        upstream("echo", echo.url),
+        state_dir=tmp_path / "state",
+        auth={
+            "trust_loopback": trust_loopback,
+            "tokens": [
+                {"name": "borrower", "scopes": ["borrow"], "sha256": sha256(BORROW)},
+                {"name": "scraper", "scopes": ["read"], "file": read_file},
+                {"name": "owner", "scopes": ["admin"], "sha256": sha256(ADMIN)},
+            ],
+        },
+        tail=upstream_extra,
+    )
 
 
 def client() -> httpx.AsyncClient:

@@ -28,7 +28,7 @@ import httpx
 import trio
 import trio.testing
 
-from tests.support.configs import config_from
+from tests.support.configs import config_from, daemon_config, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import serve_fake
@@ -58,25 +58,18 @@ TARGET = "http://127.0.0.1:8188"
 def comfy_config(
     target: str, *, poll_s: float, timeout_s: float, state_dir: Path | None = None
 ) -> str:
-    server = f'api_listen = "127.0.0.1:0"\nstate_dir = "{state_dir}"' if state_dir else ""
-    return f"""
-[server]
-{server}
-poll_interval_s = {poll_s}
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "comfy"
-adapter = "comfyui"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-completion_timeout_s = {timeout_s}
-default_need_mib = {{ ram = 64 }}
-"""
+    return daemon_config(
+        upstream(
+            "comfy",
+            target,
+            adapter="comfyui",
+            completion_timeout_s=timeout_s,
+            default_need_mib={"ram": 64},
+        ),
+        api_listen="127.0.0.1:0" if state_dir else None,
+        state_dir=state_dir,
+        poll_interval_s=poll_s,
+    )
 
 
 @attrs.define

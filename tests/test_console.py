@@ -28,6 +28,7 @@ import pytest
 import trio
 from playwright.sync_api import ConsoleMessage, Page, expect, sync_playwright
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import daemon_process
 from tests.support.plain_upstream import PlainUpstream
 from vacancyd.admission import HOLDS_KIND
@@ -109,7 +110,7 @@ def borrow(url: str, token: str | None = None) -> int:
 # -- the owner at the machine ------------------------------------------------------------
 
 
-def local_config(tmp_path: Path, upstream: PlainUpstream) -> Path:
+def local_config(tmp_path: Path, plain: PlainUpstream) -> Path:
     state_dir = tmp_path / "state"
     ensure_private_dir(state_dir)
     # A job an earlier run could not prove stopped: it holds ram until the owner releases it.
@@ -125,36 +126,15 @@ def local_config(tmp_path: Path, upstream: PlainUpstream) -> Path:
     }
     write_json(state_dir / "holds.json", HOLDS_KIND, {"holds": [hold]})
     path = tmp_path / "vacancyd.toml"
-    path.write_text(f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
-[[auth.tokens]]
-name = "alice"
-scopes = ["borrow"]
-sha256 = "{sha256(ALICE)}"
-[owner]
-presence = "headless"
-[[owner.lending_hours]]
-from = "00:00"
-to = "24:00"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "chat"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-[[upstream]]
-name = "gone"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "ram"
-""")
+    path.write_text(
+        daemon_config(
+            upstream("chat", plain.url),
+            upstream("gone", "http://127.0.0.1:9"),
+            state_dir=state_dir,
+            auth={"tokens": [{"name": "alice", "scopes": ["borrow"], "sha256": sha256(ALICE)}]},
+            owner={"lending_hours": [{"from": "00:00", "to": "24:00"}]},
+        )
+    )
     return path
 
 
@@ -231,43 +211,28 @@ async def test_the_console_shows_why_and_pauses_and_snoozes(
 # -- the owner from another machine --------------------------------------------------------
 
 
-def token_config(tmp_path: Path, upstream: PlainUpstream) -> Path:
+def token_config(tmp_path: Path, plain: PlainUpstream) -> Path:
     """Tokens only (loopback not trusted), and lending hours that are closed now: one
     minute the day after tomorrow."""
     closed_day = DAY_NAMES[(datetime.now(UTC).weekday() + 2) % 7]
     path = tmp_path / "vacancyd.toml"
-    path.write_text(f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[auth]
-trust_loopback = false
-[[auth.tokens]]
-name = "viewer"
-scopes = ["read"]
-sha256 = "{sha256(VIEWER)}"
-[[auth.tokens]]
-name = "owner"
-scopes = ["read", "admin"]
-sha256 = "{sha256(OWNER)}"
-[owner]
-presence = "headless"
-timezone = "Etc/UTC"
-[[owner.lending_hours]]
-days = ["{closed_day}"]
-from = "00:00"
-to = "00:01"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "chat"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-""")
+    path.write_text(
+        daemon_config(
+            upstream("chat", plain.url),
+            state_dir=tmp_path / "state",
+            auth={
+                "trust_loopback": False,
+                "tokens": [
+                    {"name": "viewer", "scopes": ["read"], "sha256": sha256(VIEWER)},
+                    {"name": "owner", "scopes": ["read", "admin"], "sha256": sha256(OWNER)},
+                ],
+            },
+            owner={
+                "timezone": "Etc/UTC",
+                "lending_hours": [{"days": [closed_day], "from": "00:00", "to": "00:01"}],
+            },
+        )
+    )
     return path
 
 

@@ -25,6 +25,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import NO_RESERVE, daemon_config, nvidia_gpu, upstream
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.echo_process import echo_process
 from tests.support.fake_nvml import (
@@ -37,6 +38,7 @@ from tests.support.fake_nvml import (
     NvmlState,
     subprocess_env,
 )
+from tests.support.status import status_until
 from vacancyd.status_text import render_status
 
 pytestmark = pytest.mark.slow
@@ -45,42 +47,31 @@ UUID = "GPU-8d3a1c6e-0b7f-4a52-9e61-1f2d3c4b5a60"
 LIMIT_C = 83
 RELEASE_AFTER_S = 2.0
 WAIT_S = 15.0  # upper bound on any condition; normally well under a second
-POLL_S = 0.05
-MAX_POLLS = int(WAIT_S / POLL_S) + 1
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.25
 
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-keep_free_mib = 1024
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-max_temperature_c = {limit}
-# Owner load is another guard's business; off, so heat alone decides here.
-pressure = {{ enabled = false }}
-
-[resource.heat]
-release_margin_c = 5
-release_after_s = {release_after_s}
-
-[[upstream]]
-name = "llm"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "gpu0"
-on_owner_return = "cancel"
-default_need_mib = {{ gpu0 = 2048 }}
-"""
+def config(state_dir: Path, target: str) -> str:
+    return daemon_config(
+        upstream(
+            "llm",
+            target,
+            adapter="llamacpp",
+            resource="gpu0",
+            on_owner_return="cancel",
+            default_need_mib={"gpu0": 2048},
+        ),
+        state_dir=state_dir,
+        poll_interval_s=0.25,
+        resources=[
+            nvidia_gpu(
+                keep_free_mib=1024,
+                **NO_RESERVE,
+                max_temperature_c=LIMIT_C,
+                # Owner load is another guard's business; off, so heat alone decides here.
+                pressure={"enabled": False},
+                heat={"release_margin_c": 5, "release_after_s": RELEASE_AFTER_S},
+            )
+        ],
+    )
 
 
 def gpu(celsius: int, reasons: int = CLOCKS_GPU_IDLE) -> FakeNvml:
@@ -123,16 +114,8 @@ class World:
         self, predicate: Callable[[dict[str, Any]], bool], what: str
     ) -> dict[str, Any]:
         """Poll /status until `predicate` holds; bounded in polls and in time."""
-        document: dict[str, Any] = {}
-        with trio.move_on_after(WAIT_S):
-            for _ in range(MAX_POLLS):
-                document = await self.status()
-                if predicate(document):
-                    return document
-                await trio.sleep(POLL_S)
-        raise AssertionError(
-            f"/status never showed {what} within {WAIT_S:g}s; last document:\n"
-            f"{json.dumps(document, indent=2)}\ndaemon log:\n{self.daemon.log}"
+        return await status_until(
+            self.status, predicate, what, timeout_s=WAIT_S, log=lambda: self.daemon.log
         )
 
 
@@ -143,14 +126,7 @@ async def running_world(tmp_path: Path) -> AsyncIterator[World]:
     nvml.write(gpu(60))
     async with echo_process() as echo:
         config_path = tmp_path / "vacancyd.toml"
-        config_path.write_text(
-            CONFIG.format(
-                state_dir=tmp_path / "state",
-                target=echo.url,
-                limit=LIMIT_C,
-                release_after_s=RELEASE_AFTER_S,
-            )
-        )
+        config_path.write_text(config(tmp_path / "state", echo.url))
         async with (
             daemon_process(config_path, env=subprocess_env(nvml.path, calls.path)) as daemon,
             httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import DaemonProcess, daemon_env, daemon_process
 
 pytestmark = pytest.mark.e2e
@@ -31,27 +32,11 @@ CHAT = {
 def llama_config(tmp_path: Path, llama_url: str) -> Path:
     path = tmp_path / "vacancyd.toml"
     path.write_text(
-        f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 1.0
-
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{llama_url}"
-resource = "ram"
-default_need_mib = {{ ram = 512 }}
-"""
+        daemon_config(
+            upstream("llama", llama_url, adapter="llamacpp", default_need_mib={"ram": 512}),
+            state_dir=tmp_path / "state",
+            poll_interval_s=1.0,
+        )
     )
     return path
 

@@ -33,6 +33,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.fake_http import raw_chunks
 from tests.support.logind import MockLogind, mock_logind
@@ -48,32 +49,22 @@ LLAMA_POLL_S = 1.5  # see Desk.until_llama_idle
 # model on one thread), and well within a slot's 1024-token context.
 LONG = {"prompt": "Once upon a time", "max_tokens": 800, "ignore_eos": True, "temperature": 0}
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 1.0
 
-[owner]
-presence = "logind"
-lend_when_locked = true
-lend_when_idle = false
-release_after_s = 3600
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-on_owner_return = "{policy}"
-drain_timeout_s = {drain}
-default_need_mib = {{ ram = 512 }}
-"""
+def config(state_dir: Path, target: str, policy: str) -> str:
+    return daemon_config(
+        upstream(
+            "llama",
+            target,
+            adapter="llamacpp",
+            on_owner_return=policy,
+            drain_timeout_s=DRAIN_S,
+            default_need_mib={"ram": 512},
+        ),
+        state_dir=state_dir,
+        poll_interval_s=1.0,
+        presence="logind",
+        owner={"lend_when_locked": True, "lend_when_idle": False, "release_after_s": 3600},
+    )
 
 
 @attrs.frozen
@@ -143,16 +134,14 @@ class Desk:
 @asynccontextmanager
 async def owners_desk(tmp_path: Path, llama_url: str, policy: str) -> AsyncIterator[Desk]:
     """A locked graphical session, then vacancyd lending llama-server while it stays locked."""
-    config = tmp_path / "vacancyd.toml"
-    config.write_text(
-        CONFIG.format(state_dir=tmp_path / "state", target=llama_url, policy=policy, drain=DRAIN_S)
-    )
+    config_path = tmp_path / "vacancyd.toml"
+    config_path.write_text(config(tmp_path / "state", llama_url, policy))
     async with mock_logind(tmp_path / "bus") as logind:
         await logind.add_session(SESSION, announce=False)
         await logind.set_locked(SESSION, True)
         async with (
             httpx.AsyncClient(trust_env=False, timeout=60) as client,
-            daemon_process(config, env={"DBUS_SYSTEM_BUS_ADDRESS": logind.address}) as daemon,
+            daemon_process(config_path, env={"DBUS_SYSTEM_BUS_ADDRESS": logind.address}) as daemon,
         ):
             desk = Desk(logind, daemon, client, llama_url)
             # Whatever an earlier test left running on the shared server has stopped.

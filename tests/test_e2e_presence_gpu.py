@@ -19,7 +19,6 @@ polling /status (or the fake library's call log) in loops bounded both in count 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import NO_RESERVE, daemon_config, nvidia_gpu, upstream
 from tests.support.daemon import DaemonProcess, daemon_env, daemon_process
 from tests.support.echo_process import EchoProcess, echo_process
 from tests.support.fake_nvml import (
@@ -46,6 +46,7 @@ from tests.support.fake_nvml import (
     fake_nvml_library,
 )
 from tests.support.logind import MockLogind, mock_logind
+from tests.support.status import status_until
 
 # Each test starts the daemon as a subprocess, with a mock logind and a stand-in NVML.
 pytestmark = pytest.mark.slow
@@ -60,43 +61,33 @@ MAX_POLLS = int(WAIT_S / POLL_S) + 1
 LOAD_EVERY_S = 0.03
 LOAD_SAMPLES = int(4 * WAIT_S / LOAD_EVERY_S)  # outlasts any test that feeds load
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.25
 
-[owner]
-presence = "logind"
-lend_when_locked = true
-lend_when_idle = false
-release_after_s = 3600
-
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-keep_free_mib = 1024
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-
-[resource.pressure]
-threshold_pct = {threshold}
-engage_after_s = 0
-release_after_s = 3600
-poll_ms = 100
-
-[[upstream]]
-name = "llm"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "gpu0"
-default_need_mib = {{ gpu0 = 2048 }}
-
-[upstream.models."big"]
-need_mib = {{ gpu0 = 16000 }}
-"""
+def config(state_dir: Path, target: str) -> str:
+    return daemon_config(
+        upstream(
+            "llm",
+            target,
+            resource="gpu0",
+            default_need_mib={"gpu0": 2048},
+            models={"big": {"need_mib": {"gpu0": 16000}}},
+        ),
+        state_dir=state_dir,
+        poll_interval_s=0.25,
+        presence="logind",
+        owner={"lend_when_locked": True, "lend_when_idle": False, "release_after_s": 3600},
+        resources=[
+            nvidia_gpu(
+                keep_free_mib=1024,
+                **NO_RESERVE,
+                pressure={
+                    "threshold_pct": THRESHOLD_PCT,
+                    "engage_after_s": 0,
+                    "release_after_s": 3600,
+                    "poll_ms": 100,
+                },
+            )
+        ],
+    )
 
 
 def one_gpu(*, used_gib: int = 4) -> FakeNvml:
@@ -144,16 +135,8 @@ class World:
         self, predicate: Callable[[dict[str, Any]], bool], what: str
     ) -> dict[str, Any]:
         """Poll /status until `predicate` holds; bounded in polls and in time."""
-        document: dict[str, Any] = {}
-        with trio.move_on_after(WAIT_S):
-            for _ in range(MAX_POLLS):
-                document = await self.status()
-                if predicate(document):
-                    return document
-                await trio.sleep(POLL_S)
-        raise AssertionError(
-            f"/status never showed {what} within {WAIT_S:g}s; last document:\n"
-            f"{json.dumps(document, indent=2)}\ndaemon log:\n{self.daemon.log}"
+        return await status_until(
+            self.status, predicate, what, timeout_s=WAIT_S, log=lambda: self.daemon.log
         )
 
     def write_gpu(self, *samples: FakeSample) -> None:
@@ -230,9 +213,7 @@ async def running_world(tmp_path: Path, *, gpu: FakeNvml | None) -> AsyncIterato
         await logind.add_session(SESSION, announce=False)
         await logind.set_locked(SESSION, True)
         config_path = tmp_path / "vacancyd.toml"
-        config_path.write_text(
-            CONFIG.format(state_dir=tmp_path / "state", target=echo.url, threshold=THRESHOLD_PCT)
-        )
+        config_path.write_text(config(tmp_path / "state", echo.url))
         env = {
             "DBUS_SYSTEM_BUS_ADDRESS": logind.address,
             **fake_nvml_env(nvml.path, calls.path),

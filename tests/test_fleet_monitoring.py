@@ -14,6 +14,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import daemon_config, memory, nvidia_gpu, upstream
 from tests.support.daemon import in_process_daemon
 from tests.support.fake_nvml import (
     FakeGpu,
@@ -39,28 +40,14 @@ RECORDED = re.compile(r"\b(vacancyd:[a-z_:0-9]+)\b")
 def config(target: str, state_dir: Path) -> str:
     """A lender with a GPU (the fake NVML's) and host memory, so that both kinds of
     resource publish their series."""
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-[owner]
-presence = "headless"
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-pressure = {{ enabled = false }}
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "lender"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "gpu0"
-default_need_mib = {{ gpu0 = 512 }}
-"""
+    return daemon_config(
+        upstream(
+            "lender", target, adapter="llamacpp", resource="gpu0", default_need_mib={"gpu0": 512}
+        ),
+        state_dir=state_dir,
+        poll_interval_s=None,
+        resources=[nvidia_gpu(pressure={"enabled": False}), memory()],
+    )
 
 
 def rules() -> list[dict[str, Any]]:

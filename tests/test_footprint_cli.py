@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.configs import daemon_config, memory, nvidia_gpu, upstream
 from tests.support.gguf_files import write_llama3_8b
 from tests.support.llama import REPO, llama_paths
 from vacancyd.cli import main
@@ -28,32 +29,13 @@ PARTS = ("weights", "KV cache", "recurrent state", "overhead", "margin", "total"
 
 
 def config_text(state_dir: Path, adapter: str, target: str, extra: str = "") -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-
-[[upstream]]
-name = "llm"
-adapter = "{adapter}"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "gpu0"
-also_requires = ["ram"]
-{extra}
-"""
+    return daemon_config(
+        upstream("llm", target, adapter=adapter, resource="gpu0", also_requires=["ram"]),
+        state_dir=state_dir,
+        poll_interval_s=None,
+        resources=[memory(), nvidia_gpu()],
+        tail=extra,
+    )
 
 
 def snippet_of(output: str) -> str:

@@ -41,6 +41,7 @@ from tests.support.fake_nvml import (
 from tests.support.fake_ollama import Model
 from tests.support.ollama_gpu import DisconnectingOllama, fake_nvml_env, load_models
 from tests.support.shared_gpu import SharedGpu, two_servers_config
+from tests.support.status import status_until
 
 install()
 
@@ -81,14 +82,7 @@ class Lab:
     async def status_until(
         self, predicate: Callable[[dict[str, Any]], bool], what: str
     ) -> dict[str, Any]:
-        document: dict[str, Any] = {}
-        with trio.move_on_after(WAIT_S):
-            while True:
-                document = await self.status()
-                if predicate(document):
-                    return document
-                await self.changed()
-        raise AssertionError(f"/status never showed {what}:\n{json.dumps(document, indent=2)}")
+        return await status_until(self.status, predicate, what, timeout_s=WAIT_S, wake=self.changed)
 
     async def chat(self, **extra: Any) -> httpx.Response:
         # By its bare name, as borrowers write it: Ollama lists it as "chat:latest".

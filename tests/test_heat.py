@@ -15,7 +15,7 @@ import attrs
 import trio
 import trio.testing
 
-from tests.support.configs import config_from
+from tests.support.configs import NO_RESERVE, config_from, daemon_config, nvidia_gpu, upstream
 from vacancyd.adapters.registry import adapter_for
 from vacancyd.admission import Ledger, Reservation
 from vacancyd.collect.nvml import HeatReading
@@ -39,31 +39,26 @@ from vacancyd.state import SharedState
 def heat_config(policy: str = "drain", *, release_after_s: float = 60.0) -> Config:
     """gpu0 lent below 80 °C, released at 75 °C; pressure off, so heat alone decides."""
     return config_from(
-        f"""
-[server]
-poll_interval_s = 1.0
-[owner]
-presence = "headless"
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-max_temperature_c = 80
-pressure = {{ enabled = false }}
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-[resource.heat]
-release_margin_c = 5
-release_after_s = {release_after_s}
-[[upstream]]
-name = "a"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "gpu0"
-on_owner_return = "{policy}"
-drain_timeout_s = 30.0
-"""
+        daemon_config(
+            upstream(
+                "a",
+                "http://127.0.0.1:9",
+                adapter="llamacpp",
+                resource="gpu0",
+                on_owner_return=policy,
+                drain_timeout_s=30.0,
+            ),
+            api_listen=None,
+            poll_interval_s=1.0,
+            resources=[
+                nvidia_gpu(
+                    max_temperature_c=80,
+                    pressure={"enabled": False},
+                    **NO_RESERVE,
+                    heat={"release_margin_c": 5, "release_after_s": release_after_s},
+                )
+            ],
+        )
     )
 
 

@@ -23,6 +23,7 @@ import re
 import sys
 from collections.abc import Callable
 from contextlib import aclosing
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ import httpx
 import pytest
 import trio
 
+from tests.support import status as polling
+from tests.support.configs import cpu, daemon_config, memory, upstream
 from tests.support.daemon import DaemonProcess, daemon_env, daemon_process
 from tests.support.fake_http import raw_chunks
 from tests.support.logind import mock_logind
@@ -40,35 +43,17 @@ pytestmark = pytest.mark.slow
 
 SESSION = "2"
 WAIT_S = 15.0
-POLL_S = 0.05
-MAX_POLLS = int(WAIT_S / POLL_S) + 1
 HOLD_REASON = "gen may keep running the job after its connection was cut"
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
 
-[owner]
-presence = "logind"
-lend_when_locked = true
-lend_when_idle = false
-release_after_s = 0
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[upstream]]
-name = "gen"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-on_owner_return = "cancel"
-default_need_mib = {{ ram = 64 }}
-"""
+def cut_on_return_config(state_dir: Path, target: str) -> str:
+    """The owner's return cuts borrowed work (`cancel`)."""
+    return daemon_config(
+        upstream("gen", target, on_owner_return="cancel", default_need_mib={"ram": 64}),
+        state_dir=state_dir,
+        presence="logind",
+        owner={"lend_when_locked": True, "lend_when_idle": False, "release_after_s": 0},
+    )
 
 
 async def status(client: httpx.AsyncClient, daemon: DaemonProcess) -> dict[str, Any]:
@@ -85,16 +70,8 @@ async def status_until(
     what: str,
 ) -> dict[str, Any]:
     """Poll /status until `predicate` holds; bounded in polls and in time."""
-    document: dict[str, Any] = {}
-    with trio.move_on_after(WAIT_S):
-        for _ in range(MAX_POLLS):
-            document = await status(client, daemon)
-            if predicate(document):
-                return document
-            await trio.sleep(POLL_S)
-    raise AssertionError(
-        f"/status never showed {what} within {WAIT_S:g}s; last document:\n"
-        f"{json.dumps(document, indent=2)}\ndaemon log:\n{daemon.log}"
+    return await polling.status_until(
+        partial(status, client, daemon), predicate, what, timeout_s=WAIT_S, log=lambda: daemon.log
     )
 
 
@@ -116,7 +93,7 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
     config = tmp_path / "vacancyd.toml"
-    config.write_text(CONFIG.format(state_dir=tmp_path / "state", target=echo.url))
+    config.write_text(cut_on_return_config(tmp_path / "state", echo.url))
     async with (
         mock_logind(tmp_path / "bus") as logind,
         httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,
@@ -203,37 +180,15 @@ async def test_a_durable_hold_survives_a_restart_and_refuses_until_released(
 
 # -- a holds file that cannot be trusted --------------------------------------------------
 
-TWO_RESOURCES = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
 
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[resource]]
-name = "cpu"
-kind = "cpu"
-
-[[upstream]]
-name = "gen"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-
-[[upstream]]
-name = "other"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "cpu"
-"""
+def two_resources_config(state_dir: Path, target: str) -> str:
+    """Upstream "gen" on memory, "other" on the CPU."""
+    return daemon_config(
+        upstream("gen", target),
+        upstream("other", target, resource="cpu"),
+        state_dir=state_dir,
+        resources=[memory(), cpu()],
+    )
 
 
 async def cli(*args: str) -> tuple[int, str, str]:
@@ -258,7 +213,7 @@ async def test_a_corrupt_holds_file_refuses_everything_until_an_admin_clears_it(
     holds.write_bytes(b'{"vacancyd_state": "holds", "version": 1, "data": {"holds": [')
     holds.chmod(0o600)
     config = tmp_path / "vacancyd.toml"
-    config.write_text(TWO_RESOURCES.format(state_dir=state_dir, target=echo.url))
+    config.write_text(two_resources_config(state_dir, echo.url))
 
     async with (
         daemon_process(config) as daemon,

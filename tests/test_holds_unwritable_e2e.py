@@ -34,6 +34,7 @@ import re
 import resource
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,15 @@ import httpx
 import pytest
 import trio
 
+from tests.support import status as polling
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.fake_http import raw_chunks
 from tests.support.logind import MockLogind, mock_logind
 from tests.support.upstreams import EchoUpstream
-from tests.test_hold_restart import CONFIG, TWO_RESOURCES, status
+
+# The configs of tests/test_hold_restart.py: a cut on the owner's return makes a hold; two
+# resources show what an untrusted (or unwritable) holds file refuses.
+from tests.test_hold_restart import cut_on_return_config, status, two_resources_config
 from vacancyd.admission import HOLDS_KIND
 from vacancyd.admission.holds import COPY_NAME
 from vacancyd.admission.ledger import RESAVE_MAX_S
@@ -64,10 +69,6 @@ RESTORED_REASON = f"{HOLD_REASON} (restored after restart)"
 # Room for nothing: every state file vacancyd writes is larger.
 TINY_FILE_LIMIT = 16
 NO_RUNTIME_DIR = {"RUNTIME_DIRECTORY": "", "XDG_RUNTIME_DIR": ""}
-
-# The configs of tests/test_hold_restart.py: a cut on the owner's return makes a hold; two
-# resources show what an untrusted (or unwritable) holds file refuses.
-CUT_ON_RETURN = CONFIG
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -96,12 +97,14 @@ async def status_until(
     what: str,
     timeout_s: float = WAIT_S,
 ) -> dict[str, Any]:
-    async def matching() -> dict[str, Any] | None:
-        document = await status(client, daemon)
-        return document if predicate(document) else None
-
-    document: dict[str, Any] = await until(matching, f"/status with {what}", timeout_s, daemon.log)
-    return document
+    return await polling.status_until(
+        partial(status, client, daemon),
+        predicate,
+        what,
+        timeout_s=timeout_s,
+        poll_s=POLL_S,
+        log=lambda: daemon.log,
+    )
 
 
 def lending(document: dict[str, Any]) -> bool:
@@ -237,7 +240,7 @@ async def test_a_hold_that_cannot_be_saved_is_reported_saved_once_it_can_and_res
     state_dir = tmp_path / "state"
     holds = state_dir / "holds.json"
     config = tmp_path / "vacancyd.toml"
-    config.write_text(CUT_ON_RETURN.format(state_dir=state_dir, target=echo.url))
+    config.write_text(cut_on_return_config(state_dir, echo.url))
     async with locked_desk(tmp_path) as (logind, client, env):
         async with daemon_process(config, env=env) as first:
             # Written at start, so the directory replaces a real file.
@@ -334,7 +337,7 @@ async def test_a_holds_file_that_cannot_be_written_at_start_refuses_everything_u
     }
     write_json(holds, HOLDS_KIND, {"holds": [entry]})
     config = tmp_path / "vacancyd.toml"
-    config.write_text(TWO_RESOURCES.format(state_dir=state_dir, target=echo.url))
+    config.write_text(two_resources_config(state_dir, echo.url))
 
     async with (
         daemon_process(config, env=NO_RUNTIME_DIR, preexec_fn=tiny_file_limit) as daemon,
@@ -406,7 +409,7 @@ async def test_a_copy_in_the_runtime_directory_is_kept_until_the_file_is_saved(
     runtime.mkdir(mode=0o700)
     copy = runtime / COPY_NAME
     config = tmp_path / "vacancyd.toml"
-    config.write_text(CUT_ON_RETURN.format(state_dir=state_dir, target=echo.url))
+    config.write_text(cut_on_return_config(state_dir, echo.url))
     async with locked_desk(tmp_path, runtime) as (logind, client, env):
         async with daemon_process(config, env=env) as daemon:
             break_file(holds)
@@ -444,7 +447,7 @@ async def test_a_restart_before_the_disk_recovers_keeps_the_copied_hold_through_
     runtime.mkdir(mode=0o700)
     copy = runtime / COPY_NAME
     config = tmp_path / "vacancyd.toml"
-    config.write_text(CUT_ON_RETURN.format(state_dir=state_dir, target=echo.url))
+    config.write_text(cut_on_return_config(state_dir, echo.url))
     async with locked_desk(tmp_path, runtime) as (logind, client, env):
         async with daemon_process(config, env=env) as first:
             break_file(holds)
@@ -486,7 +489,7 @@ async def test_a_release_that_cannot_be_saved_says_so(echo: EchoUpstream, tmp_pa
     }
     write_json(holds, HOLDS_KIND, {"holds": [entry]})
     config = tmp_path / "vacancyd.toml"
-    config.write_text(TWO_RESOURCES.format(state_dir=state_dir, target=echo.url))
+    config.write_text(two_resources_config(state_dir, echo.url))
     async with (
         daemon_process(config, env=NO_RUNTIME_DIR) as daemon,
         httpx.AsyncClient(trust_env=False, timeout=WAIT_S) as client,

@@ -46,6 +46,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.support import status as polling
 from tests.support.configs import one_upstream_config
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_http import (
@@ -561,17 +562,15 @@ def held_work(document: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def status_until(
-    http: httpx.AsyncClient, daemon: InProcessDaemon, predicate: Callable[[dict[str, Any]], bool]
+    http: httpx.AsyncClient,
+    daemon: InProcessDaemon,
+    predicate: Callable[[dict[str, Any]], bool],
+    what: str,
 ) -> dict[str, Any]:
-    """/status once `predicate` holds, polled every 50 ms under a deadline."""
-    document: dict[str, Any] = {}
-    with trio.move_on_after(WAIT_S):
-        while True:
-            document = await still_serving(http, daemon)
-            if predicate(document):
-                return document
-            await trio.sleep(0.05)
-    raise AssertionError(f"/status never got there:\n{json.dumps(document, indent=2)}")
+    """/status (read while the daemon still serves) once `predicate` holds, polled every
+    50 ms under a deadline."""
+    fetch = partial(still_serving, http, daemon)
+    return await polling.status_until(fetch, predicate, what, timeout_s=WAIT_S, poll_s=0.05)
 
 
 COMFY_GRAPH = {"prompt": {"3": {"class_type": "KSampler", "inputs": {}}}}
@@ -604,7 +603,7 @@ async def test_a_comfyui_job_nobody_can_follow_is_held_and_stays_held_after_a_re
             assert accepted.status_code == 200, accepted.text
             prompt_id = accepted.json()["prompt_id"]
             assert prompt_id
-            document = await status_until(http, first, lambda d: bool(held_work(d)))
+            document = await status_until(http, first, lambda d: bool(held_work(d)), "the job held")
             [hold] = held_work(document)
             assert hold["job_ids"] == [prompt_id]
             assert prompt_id in hold["hold_reason"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import in_process_daemon
 from tests.support.upstreams import EchoUpstream
 from vacancyd.collect.attribution import ListenSocket
@@ -30,28 +31,12 @@ def test_listener_state_from_the_socket_table() -> None:
 
 
 async def test_status_reports_the_real_listener(echo: EchoUpstream, tmp_path: Path) -> None:
-    text = f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{echo.url}"
-resource = "ram"
-[[upstream]]
-name = "remote"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "http://192.0.2.7:8080"
-resource = "ram"
-"""
+    text = daemon_config(
+        upstream("echo", echo.url),
+        upstream("remote", "http://192.0.2.7:8080"),
+        state_dir=tmp_path / "state",
+        poll_interval_s=None,
+    )
     async with (
         in_process_daemon(text) as daemon,
         httpx.AsyncClient(trust_env=False) as http,

@@ -46,6 +46,7 @@ import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.support.configs import NO_RESERVE, daemon_config, memory, upstream
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.echo_process import echo_process
 from vacancyd.adapters.comfyui import MODEL_INPUTS
@@ -63,44 +64,6 @@ SETTLE_TIMEOUT_S = 15.0  # a ComfyUI prompt's hold shows up within a poll or two
 SETTLE_POLL_S = 0.02
 MAX_BODY_MIB = 1  # small, so a body past it is cheap to send
 CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.2
-
-[server.limits]
-max_request_body_mib = {max_body_mib}
-
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-
-# ComfyUI's own: its tracked prompts must not hold the other upstreams' resource.
-[[resource]]
-name = "comfy_ram"
-kind = "memory"
-emergency_reserve_pct = 0.0
-emergency_reserve_min_mib = 0
-{upstreams}
-"""
-
-UPSTREAM = """
-[[upstream]]
-name = "{name}"
-adapter = "{name}"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "{resource}"
-default_need_mib = {{ {resource} = 1 }}
-{extra}
-"""
 
 
 def work_routes() -> list[tuple[str, str, Dialect]]:
@@ -198,18 +161,26 @@ class Lender:
 def _config(state_dir: Path, target: str) -> str:
     upstreams = []
     for name in adapter_names():
-        comfy = name == "comfyui"
+        # ComfyUI's own resource: its tracked prompts must not hold the other upstreams'.
+        resource = "comfy_ram" if name == "comfyui" else "ram"
+        # A prompt the echo never reports done becomes a hold at once (see above).
+        extra: dict[str, Any] = {"completion_timeout_s": 0.001} if name == "comfyui" else {}
         upstreams.append(
-            UPSTREAM.format(
-                name=name,
-                target=target,
-                resource="comfy_ram" if comfy else "ram",
-                # A prompt the echo never reports done becomes a hold at once (see above).
-                extra="completion_timeout_s = 0.001" if comfy else "",
+            upstream(
+                name,
+                target,
+                adapter=name,
+                resource=resource,
+                default_need_mib={resource: 1},
+                **extra,
             )
         )
-    return CONFIG.format(
-        state_dir=state_dir, max_body_mib=MAX_BODY_MIB, upstreams="".join(upstreams)
+    return daemon_config(
+        *upstreams,
+        state_dir=state_dir,
+        poll_interval_s=0.2,
+        limits={"max_request_body_mib": MAX_BODY_MIB},
+        resources=[memory(**NO_RESERVE), memory("comfy_ram", **NO_RESERVE)],
     )
 
 

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 from vacancyd.cli import main
@@ -39,41 +40,23 @@ def sha256(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def config(upstream: EchoUpstream, tmp_path: Path) -> str:
+def config(echo: EchoUpstream, tmp_path: Path) -> str:
     read_file = tmp_path / "read.token"
     read_file.write_text(READ + "\n")
     read_file.chmod(0o600)
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.2
-[auth]
-trust_loopback = false
-[[auth.tokens]]
-name = "borrower"
-scopes = ["borrow"]
-sha256 = "{sha256(BORROW)}"
-[[auth.tokens]]
-name = "scraper"
-scopes = ["read"]
-file = "{read_file}"
-[[auth.tokens]]
-name = "owner"
-scopes = ["admin"]
-sha256 = "{sha256(ADMIN)}"
-[owner]
-presence = "headless"
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-"""
+    return daemon_config(
+        upstream("echo", echo.url),
+        state_dir=tmp_path / "state",
+        poll_interval_s=0.2,
+        auth={
+            "trust_loopback": False,
+            "tokens": [
+                {"name": "borrower", "scopes": ["borrow"], "sha256": sha256(BORROW)},
+                {"name": "scraper", "scopes": ["read"], "file": read_file},
+                {"name": "owner", "scopes": ["admin"], "sha256": sha256(ADMIN)},
+            ],
+        },
+    )
 
 
 def bearer(token: str) -> dict[str, str]:

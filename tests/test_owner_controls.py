@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.configs import one_upstream_config
+from tests.support.configs import daemon_config, one_upstream_config, upstream
 from tests.support.daemon import in_process_daemon
 from tests.support.upstreams import EchoUpstream
 from tests.test_operator_tools import run_cli
@@ -146,40 +146,19 @@ def test_vacancyd_pause_refuses_a_duration_it_cannot_read(
 
 # -- lending hours -------------------------------------------------------------------------
 
-HOURS_CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
-[owner]
-presence = "headless"
-timezone = "UTC"
-lending_hours = [{{ from = "{start}", to = "{end}" }}]
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-[[upstream]]
-name = "exempt"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-owner_scope = "resource"
-"""
-
 
 def hours_config(echo: EchoUpstream, state_dir: Path, opens_in: timedelta) -> str:
     """Lending hours of one hour every day (UTC) that open `opens_in` from now."""
     start = (datetime.now(UTC) + opens_in).replace(second=0, microsecond=0)
     end = start + timedelta(hours=1)
-    return HOURS_CONFIG.format(
-        state_dir=state_dir, target=echo.url, start=f"{start:%H:%M}", end=f"{end:%H:%M}"
+    return daemon_config(
+        upstream("echo", echo.url),
+        upstream("exempt", echo.url, owner_scope="resource"),
+        state_dir=state_dir,
+        owner={
+            "timezone": "UTC",
+            "lending_hours": [{"from": f"{start:%H:%M}", "to": f"{end:%H:%M}"}],
+        },
     )
 
 

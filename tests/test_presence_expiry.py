@@ -22,7 +22,7 @@ from functools import partial
 import trio
 import trio.testing
 
-from tests.support.configs import config_from
+from tests.support.configs import config_from, daemon_config, upstream
 from vacancyd.gate import owner_refusal
 from vacancyd.model import RETRY_OWNER_VETO, PresenceReading, Reason
 from vacancyd.presence.backends import HeadlessBackend
@@ -34,23 +34,13 @@ DEADLINE_S = 2.0
 RELEASE_AFTER_S = 60.0
 SILENCE_REASON = "presence readings stopped arriving"
 
-CONFIG = f"""
-[server]
-poll_interval_s = {POLL_S}
-probe_deadline_s = {DEADLINE_S}
-[owner]
-presence = "headless"
-release_after_s = {RELEASE_AFTER_S}
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "ram"
-"""
+CONFIG = daemon_config(
+    upstream("llama", "http://127.0.0.1:9", adapter="llamacpp"),
+    api_listen=None,
+    poll_interval_s=POLL_S,
+    server={"probe_deadline_s": DEADLINE_S},
+    owner={"release_after_s": RELEASE_AFTER_S},
+)
 
 
 class Wedgeable:

@@ -11,34 +11,25 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
 from tests.support.upstreams import EchoUpstream
 from vacancyd.model import PresenceReading, SessionState
 
 
-def config(upstream: EchoUpstream, tmp_path: Path, policy: str, drain: float = 1.0) -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.5
-[server.limits]
-write_stall_timeout_s = 30.0
-[owner]
-presence = "headless"
-release_after_s = 600.0
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "echo"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{upstream.url}"
-resource = "ram"
-on_owner_return = "{policy}"
-drain_timeout_s = {drain}
-"""
+def config(echo: EchoUpstream, tmp_path: Path, policy: str, drain: float = 1.0) -> str:
+    return daemon_config(
+        upstream(
+            "echo",
+            echo.url,
+            adapter="llamacpp",
+            on_owner_return=policy,
+            drain_timeout_s=drain,
+        ),
+        state_dir=tmp_path / "state",
+        limits={"write_stall_timeout_s": 30.0},
+        owner={"release_after_s": 600.0},
+    )
 
 
 def owner_returns(daemon: InProcessDaemon) -> float:

@@ -21,6 +21,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ import pytest
 import trio
 
 import vacancyd.reclaim
+from tests.support import status as polling
+from tests.support.configs import daemon_config, nvidia_gpu, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.fake_comfyui import FakeComfyUI, graph
 from tests.support.fake_http import raw_chunks, serve_fake
@@ -78,16 +81,9 @@ async def status_until(
     what: str,
 ) -> dict[str, Any]:
     """/status once `predicate` holds, polled after each change of the daemon's state."""
-    document: dict[str, Any] = {}
-    with trio.move_on_after(WAIT_S):
-        while True:
-            document = await get_status(http, daemon)
-            if predicate(document):
-                return document
-            await daemon.state.wait_changed()
-    raise AssertionError(
-        f"/status never showed {what} within {WAIT_S:g}s; last:\n{json.dumps(document, indent=2)}"
-    )
+    fetch = partial(get_status, http, daemon)
+    wake = daemon.state.wait_changed
+    return await polling.status_until(fetch, predicate, what, timeout_s=WAIT_S, wake=wake)
 
 
 def upstream_of(document: dict[str, Any], name: str) -> dict[str, Any]:
@@ -108,30 +104,22 @@ def metric(text: str, name: str, upstream: str) -> float | None:
 
 
 def ollama_config(tmp_path: Path, url: str) -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.2
-[owner]
-presence = "headless"
-release_after_s = 600.0
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-# Attributed pressure is another loop's concern; off, so capacity alone admits.
-pressure = {{ enabled = false }}
-[[upstream]]
-name = "ollama"
-adapter = "ollama"
-listen = "127.0.0.1:0"
-target = "{url}"
-resource = "gpu0"
-on_owner_return = "cancel"
-yield_on_veto = true
-default_need_mib = {{ gpu0 = 1024 }}
-"""
+    return daemon_config(
+        upstream(
+            "ollama",
+            url,
+            adapter="ollama",
+            resource="gpu0",
+            on_owner_return="cancel",
+            yield_on_veto=True,
+            default_need_mib={"gpu0": 1024},
+        ),
+        state_dir=tmp_path / "state",
+        poll_interval_s=0.2,
+        owner={"release_after_s": 600.0},
+        # Attributed pressure is another loop's concern; off, so capacity alone admits.
+        resources=[nvidia_gpu(pressure={"enabled": False})],
+    )
 
 
 @asynccontextmanager
@@ -294,28 +282,20 @@ async def test_waiting_for_unloaded_memory_does_not_read_the_gpu_back_to_back(
 
 
 def comfy_config(tmp_path: Path, url: str, policy: str, drain_s: float = 0.5) -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.1
-[owner]
-presence = "headless"
-release_after_s = 600.0
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "comfy"
-adapter = "comfyui"
-listen = "127.0.0.1:0"
-target = "{url}"
-resource = "ram"
-on_owner_return = "{policy}"
-drain_timeout_s = {drain_s}
-completion_timeout_s = 60.0
-default_need_mib = {{ ram = 64 }}
-"""
+    return daemon_config(
+        upstream(
+            "comfy",
+            url,
+            adapter="comfyui",
+            on_owner_return=policy,
+            drain_timeout_s=drain_s,
+            completion_timeout_s=60.0,
+            default_need_mib={"ram": 64},
+        ),
+        state_dir=tmp_path / "state",
+        poll_interval_s=0.1,
+        owner={"release_after_s": 600.0},
+    )
 
 
 @asynccontextmanager
@@ -526,26 +506,12 @@ async def test_comfyui_a_stale_row_does_not_keep_a_finished_borrowed_prompts_mod
 
 
 def openai_config(tmp_path: Path, url: str) -> str:
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{tmp_path / "state"}"
-poll_interval_s = 0.1
-[owner]
-presence = "headless"
-release_after_s = 0.5
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "gen"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{url}"
-resource = "ram"
-on_owner_return = "cancel"
-default_need_mib = {{ ram = 64 }}
-"""
+    return daemon_config(
+        upstream("gen", url, on_owner_return="cancel", default_need_mib={"ram": 64}),
+        state_dir=tmp_path / "state",
+        poll_interval_s=0.1,
+        owner={"release_after_s": 0.5},
+    )
 
 
 HOLD_REASON = "gen may keep running the job after its connection was cut"

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.configs import daemon_config, memory, nvidia_gpu, upstream
 from tests.support.daemon import in_process_daemon
 from tests.support.fake_nvml import (
     FakeGpu,
@@ -44,28 +45,15 @@ WATCHDOG_USEC = 400_000  # a ping every 0.2 s
 def config(
     state_dir: Path, *, gpu: bool = False, poll_interval_s: float = 0.1, deadline_s: float = 0.5
 ) -> str:
-    resource = (
-        '[[resource]]\nname = "gpu0"\nkind = "nvidia_gpu"\ndevice = 0\n'
-        "pressure = { enabled = false }\n"
-        if gpu
-        else '[[resource]]\nname = "ram"\nkind = "memory"\n'
+    return daemon_config(
+        upstream(
+            "llama", "http://127.0.0.1:9", adapter="llamacpp", resource="gpu0" if gpu else "ram"
+        ),
+        state_dir=state_dir,
+        poll_interval_s=poll_interval_s,
+        server={"probe_deadline_s": deadline_s},
+        resources=[nvidia_gpu(pressure={"enabled": False}) if gpu else memory()],
     )
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = {poll_interval_s}
-probe_deadline_s = {deadline_s}
-[owner]
-presence = "headless"
-{resource}
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "{"gpu0" if gpu else "ram"}"
-"""
 
 
 # -- the one-line summary ----------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import httpx
 import trio
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import InProcessDaemon
 from vacancyd.model import PresenceReading, SessionState
 
@@ -43,26 +44,12 @@ def lender_config(
 ) -> str:
     """One headless daemon, one memory resource, one upstream; the owner's return (a
     recorded ACTIVE reading) holds the veto for ten minutes, far past any test."""
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
-[owner]
-presence = "headless"
-release_after_s = 600.0
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "{name}"
-adapter = "{adapter}"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-on_owner_return = "{policy}"
-{upstream_extra}
-"""
+    return daemon_config(
+        upstream(name, target, adapter=adapter, on_owner_return=policy),
+        state_dir=state_dir,
+        owner={"release_after_s": 600.0},
+        tail=upstream_extra,
+    )
 
 
 def owner_returns(daemon: InProcessDaemon) -> None:

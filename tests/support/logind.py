@@ -31,7 +31,7 @@ from jeepney import DBusAddress, MatchRule, message_bus, new_method_call
 from jeepney.io.trio import open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
-from tests.support.configs import config_from
+from tests.support.configs import config_from, daemon_config, upstream
 from vacancyd.model import PresenceReading
 from vacancyd.presence.backends import Backend, choose_backend
 from vacancyd.presence.loop import run_presence
@@ -444,33 +444,23 @@ async def mock_logind(directory: Path) -> AsyncIterator[MockLogind]:
 
 # -- running vacancyd's presence loop against it -------------------------------------------
 
-PRESENCE_CONFIG = """
-[server]
-poll_interval_s = {poll_interval_s}
-[owner]
-presence = "logind"
-release_after_s = 0
-lend_when_locked = true
-lend_when_idle = true
-owner_processes = {owner_processes}
-[[resource]]
-name = "ram"
-kind = "memory"
-[[upstream]]
-name = "desk"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "http://127.0.0.1:9"
-resource = "ram"
-"""
-
 
 def presence_config_text(
     *, poll_interval_s: float = 3600.0, owner_processes: tuple[str, ...] = ()
 ) -> str:
     """A logind config; the default poll interval is an hour, so only a signal is prompt."""
-    names = "[" + ", ".join(f'"{name}"' for name in owner_processes) + "]"
-    return PRESENCE_CONFIG.format(poll_interval_s=poll_interval_s, owner_processes=names)
+    return daemon_config(
+        upstream("desk", "http://127.0.0.1:9", adapter="llamacpp"),
+        api_listen=None,
+        poll_interval_s=poll_interval_s,
+        presence="logind",
+        owner={
+            "release_after_s": 0,
+            "lend_when_locked": True,
+            "lend_when_idle": True,
+            "owner_processes": list(owner_processes),
+        },
+    )
 
 
 @asynccontextmanager

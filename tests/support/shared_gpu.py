@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from tests.support.configs import cpu, daemon_config, memory, nvidia_gpu, upstream
 from tests.support.fake_comfyui import FakeComfyUI
 from tests.support.fake_http import Changes
 from tests.support.fake_nvml import FakeGpu, FakeNvml, NvmlState
@@ -84,40 +85,26 @@ def two_servers_config(
     """vacancyd in front of two servers on the one GPU: the one that may give way (`first`,
     named after its adapter) and ComfyUI, each charged 10 GiB of it by default; the host's
     memory and CPU, for requests to a model spilled to the CPU; headless, pressure off."""
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = {poll_interval_s}
-[owner]
-presence = "headless"
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-pressure = {{ enabled = false }}
-[[resource]]
-name = "ram"
-kind = "memory"
-[[resource]]
-name = "cpu"
-kind = "cpu"
-[[upstream]]
-name = "{first}"
-adapter = "{first}"
-listen = "127.0.0.1:0"
-target = "{first_url}"
-resource = "gpu0"
-default_need_mib = {{ gpu0 = {first_need_mib} }}
-handoff_idle_s = {idle_s}
-handoff_priority = {first_priority}
-spilled_models = "{spilled_models}"
-[[upstream]]
-name = "comfy"
-adapter = "comfyui"
-listen = "127.0.0.1:0"
-target = "{comfy_url}"
-resource = "gpu0"
-default_need_mib = {{ gpu0 = 10240 }}
-handoff_timeout_s = {timeout_s}
-"""
+    return daemon_config(
+        upstream(
+            first,
+            first_url,
+            adapter=first,
+            resource="gpu0",
+            default_need_mib={"gpu0": first_need_mib},
+            handoff_idle_s=idle_s,
+            handoff_priority=first_priority,
+            spilled_models=spilled_models,
+        ),
+        upstream(
+            "comfy",
+            comfy_url,
+            adapter="comfyui",
+            resource="gpu0",
+            default_need_mib={"gpu0": 10240},
+            handoff_timeout_s=timeout_s,
+        ),
+        state_dir=state_dir,
+        poll_interval_s=poll_interval_s,
+        resources=[nvidia_gpu(pressure={"enabled": False}), memory(), cpu()],
+    )

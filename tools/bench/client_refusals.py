@@ -36,51 +36,34 @@ import openai
 import trio
 
 from tests.support.clients import attempts, in_thread, owner_returns
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.upstreams import serve_echo
 from tools.bench.common import spread, version
 
-ALL_REASONS = (
-    '["lending_disabled", "owner_active", "resource_disabled", "resource_unmeasured", '
-    '"insufficient_capacity", "resource_pressured", "resource_busy", "job_held"]'
-)
+ALL_REASONS = [
+    "lending_disabled",
+    "owner_active",
+    "resource_disabled",
+    "resource_unmeasured",
+    "insufficient_capacity",
+    "resource_pressured",
+    "resource_busy",
+    "job_held",
+]
+HUNGRY = {"ram": 100_000_000}
 
 
 def config(target: str, state_dir: str) -> str:
-    upstreams = [
-        ("lender", ""),
-        ("sdk_default", f"retry_in_place = {ALL_REASONS}"),
-        ("never", "retry_in_place = []"),
-        ("hungry", "default_need_mib = { ram = 100000000 }"),
-        (
-            "hungry_sdk_default",
-            f"default_need_mib = {{ ram = 100000000 }}\nretry_in_place = {ALL_REASONS}",
-        ),
-    ]
-    blocks = "".join(
-        f"""
-[[upstream]]
-name = "{name}"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-{extra}
-"""
-        for name, extra in upstreams
+    return daemon_config(
+        upstream("lender", target),
+        upstream("sdk_default", target, retry_in_place=ALL_REASONS),
+        upstream("never", target, retry_in_place=[]),
+        upstream("hungry", target, default_need_mib=HUNGRY),
+        upstream("hungry_sdk_default", target, default_need_mib=HUNGRY, retry_in_place=ALL_REASONS),
+        state_dir=state_dir,
+        owner={"release_after_s": 600.0},
     )
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
-[owner]
-presence = "headless"
-release_after_s = 600.0
-[[resource]]
-name = "ram"
-kind = "memory"
-{blocks}"""
 
 
 async def measure(daemon: InProcessDaemon, upstream: str, repeat: int) -> dict[str, Any]:

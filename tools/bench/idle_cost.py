@@ -51,6 +51,7 @@ if str(REPO) not in sys.path:
 import psutil
 import trio
 
+from tests.support.configs import daemon_config, memory, nvidia_gpu, upstream
 from tests.support.daemon import daemon_process
 from tests.support.echo_process import echo_process
 from tests.support.fake_nvml import (
@@ -66,31 +67,16 @@ from tools.bench.common import version
 
 SESSION = "2"
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
 
-[owner]
-presence = "logind"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-{pressure}
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "gpu0"
-also_requires = ["ram"]
-"""
+def daemon_toml(state_dir: Path, target: str, *, pressure: bool) -> str:
+    gpu = nvidia_gpu() if pressure else nvidia_gpu(pressure={"enabled": False})
+    return daemon_config(
+        upstream("llama", target, adapter="llamacpp", resource="gpu0", also_requires=["ram"]),
+        state_dir=state_dir,
+        poll_interval_s=None,
+        presence="logind",
+        resources=[memory(), gpu],
+    )
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -127,13 +113,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await logind.add_session(SESSION, announce=False)
             await logind.set_locked(SESSION, True)
             config = directory / "vacancyd.toml"
-            config.write_text(
-                CONFIG.format(
-                    state_dir=directory / "state",
-                    target=echo.url,
-                    pressure="" if args.pressure else "pressure = { enabled = false }\n",
-                )
-            )
+            config.write_text(daemon_toml(directory / "state", echo.url, pressure=args.pressure))
             env = {
                 "DBUS_SYSTEM_BUS_ADDRESS": logind.address,
                 "LD_LIBRARY_PATH": f"{library_dir}:{inherited}" if inherited else library_dir,

@@ -60,6 +60,7 @@ from jeepney import DBusAddress, new_method_call
 from jeepney.io.trio import DBusRouter, open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import daemon_process
 from tests.support.echo_process import echo_process
 from tests.support.logind import (
@@ -76,28 +77,15 @@ CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
 FLIP_TIMEOUT_S = 10.0
 MAX_REQUESTS = 1_000_000
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
 
-[owner]
-presence = "logind"
-release_after_s = 0
-lend_when_locked = true
-lend_when_idle = true
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[upstream]]
-name = "llm"
-adapter = "openai"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-"""
+def daemon_toml(state_dir: Path, target: str) -> str:
+    return daemon_config(
+        upstream("llm", target),
+        state_dir=state_dir,
+        poll_interval_s=None,
+        presence="logind",
+        owner={"release_after_s": 0, "lend_when_locked": True, "lend_when_idle": True},
+    )
 
 
 @attrs.frozen
@@ -243,7 +231,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             if args.hint == "locked":
                 await logind.set_locked(SESSION, True)
             config = directory / "vacancyd.toml"
-            config.write_text(CONFIG.format(state_dir=directory / "state", target=echo.url))
+            config.write_text(daemon_toml(directory / "state", echo.url))
             env = {"DBUS_SYSTEM_BUS_ADDRESS": logind.address}
             async with (
                 daemon_process(config, env=env) as daemon,

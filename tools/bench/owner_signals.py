@@ -99,6 +99,7 @@ from jeepney import DBusAddress, new_method_call
 from jeepney.io.trio import DBusRouter, open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
+from tests.support.configs import daemon_config, memory, upstream
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.desktop import MPRIS_PATH, MPRIS_PREFIX, MUTTER, log_file, session_bus
 from tests.support.echo_process import echo_process
@@ -136,43 +137,29 @@ MEDIA_SETTLE_S = 0.3  # more than that spacing, after lending resumes
 INHIBITOR = ("idle", "bench", "keep this machine", "block")
 PLAYER = "bench"
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
 
-[owner]
-presence = "logind"
-release_after_s = 0
-lend_when_locked = true
-lend_when_idle = true
-agent_socket = "{socket}"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[resource]]
-name = "ram2"
-kind = "memory"
-
-[[upstream]]
-name = "chat"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-default_need_mib = {{ ram = 64 }}
-
-[[upstream]]
-name = "stream"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram2"
-on_owner_return = "cancel"
-default_need_mib = {{ ram2 = 64 }}
-"""
+def daemon_toml(state_dir: Path, socket: Path, target: str) -> str:
+    return daemon_config(
+        upstream("chat", target, adapter="llamacpp", default_need_mib={"ram": 64}),
+        upstream(
+            "stream",
+            target,
+            adapter="llamacpp",
+            resource="ram2",
+            on_owner_return="cancel",
+            default_need_mib={"ram2": 64},
+        ),
+        state_dir=state_dir,
+        poll_interval_s=None,
+        presence="logind",
+        owner={
+            "release_after_s": 0,
+            "lend_when_locked": True,
+            "lend_when_idle": True,
+            "agent_socket": socket,
+        },
+        resources=[memory(), memory("ram2")],
+    )
 
 
 @attrs.frozen
@@ -691,9 +678,7 @@ async def run_scenario(
             stack.push_async_callback(logind.stop_upower)
         socket_path = directory / "agent.sock"
         config = directory / "vacancyd.toml"
-        config.write_text(
-            CONFIG.format(state_dir=directory / "state", socket=socket_path, target=echo_url)
-        )
+        config.write_text(daemon_toml(directory / "state", socket_path, echo_url))
         daemon = await stack.enter_async_context(
             daemon_process(config, env={"DBUS_SYSTEM_BUS_ADDRESS": logind.address})
         )

@@ -53,6 +53,7 @@ import attrs
 import httpx
 import trio
 
+from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import daemon_process
 from tests.support.llama import llama_paths
 from tools.bench.common import run_with_llama, spread, version
@@ -60,27 +61,20 @@ from tools.bench.common import run_with_llama, spread, version
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 REQUEST_TIMEOUT_S = 60.0
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
 
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[upstream]]
-name = "llama"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-default_need_mib = {{ ram = {need_mib} }}
-resident_min_free_mib = 0
-"""
+def llama_config(state_dir: Path, target: str, need_mib: int) -> str:
+    """Headless, one memory resource, one llamacpp upstream charged `need_mib` a request."""
+    return daemon_config(
+        upstream(
+            "llama",
+            target,
+            adapter="llamacpp",
+            default_need_mib={"ram": need_mib},
+            resident_min_free_mib=0,
+        ),
+        state_dir=state_dir,
+        poll_interval_s=None,
+    )
 
 
 @attrs.define
@@ -163,9 +157,7 @@ async def measure(args: argparse.Namespace, llama_url: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vacancyd-bench-") as scratch:
         directory = Path(scratch)
         config = directory / "vacancyd.toml"
-        config.write_text(
-            CONFIG.format(state_dir=directory / "state", target=llama_url, need_mib=args.need_mib)
-        )
+        config.write_text(llama_config(directory / "state", llama_url, args.need_mib))
         async with (
             daemon_process(config) as daemon,
             httpx.AsyncClient(trust_env=False, timeout=REQUEST_TIMEOUT_S, limits=limits) as client,

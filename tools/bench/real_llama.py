@@ -66,7 +66,7 @@ import trio
 from tests.support.daemon import daemon_process, host_port
 from tests.support.llama import llama_paths
 from tools.bench.common import run_with_llama, spread, version
-from tools.bench.parallel_llama import CONFIG, PROMPT, versions
+from tools.bench.parallel_llama import PROMPT, llama_config, versions
 
 PATHS = ("direct", "proxy")
 SOCKET_TIMEOUT_S = 60.0
@@ -450,9 +450,7 @@ async def measure(args: argparse.Namespace, llama_url: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vacancyd-bench-") as scratch:
         directory = Path(scratch)
         config = directory / "vacancyd.toml"
-        config.write_text(
-            CONFIG.format(state_dir=directory / "state", target=llama_url, need_mib=args.need_mib)
-        )
+        config.write_text(llama_config(directory / "state", llama_url, args.need_mib))
         async with daemon_process(config) as daemon:
             urls = {"direct": llama_url, "proxy": daemon.proxies["llama"]}
             # Abandoned if the run's bound passes: the thread's sockets then fail once

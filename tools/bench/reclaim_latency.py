@@ -69,6 +69,7 @@ from jeepney import DBusAddress, new_method_call
 from jeepney.io.trio import DBusRouter, open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
+from tests.support.configs import daemon_config, nvidia_gpu, upstream
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.fake_http import raw_chunks, serve_fake
 from tests.support.fake_nvml import GIB, NvmlCallLog, NvmlState
@@ -85,36 +86,25 @@ STEP_TIMEOUT_S = 15.0
 MEMORY_READ = "nvmlDeviceGetMemoryInfo_v2"
 POLL_S = 0.005  # /status polls while a reclaim completes (and between runs)
 
-CONFIG = """
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{state_dir}"
-poll_interval_s = 0.5
 
-[owner]
-presence = "logind"
-release_after_s = 0
-lend_when_locked = true
-lend_when_idle = true
-
-[[resource]]
-name = "gpu0"
-kind = "nvidia_gpu"
-device = 0
-# Attributed pressure would need the upstream's process on the GPU; this bench is about
-# the owner's return, so capacity alone admits.
-pressure = {{ enabled = false }}
-
-[[upstream]]
-name = "ollama"
-adapter = "ollama"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "gpu0"
-on_owner_return = "cancel"
-yield_on_veto = true
-default_need_mib = {{ gpu0 = 1024 }}
-"""
+def daemon_toml(state_dir: Path, target: str) -> str:
+    return daemon_config(
+        upstream(
+            "ollama",
+            target,
+            adapter="ollama",
+            resource="gpu0",
+            on_owner_return="cancel",
+            yield_on_veto=True,
+            default_need_mib={"gpu0": 1024},
+        ),
+        state_dir=state_dir,
+        presence="logind",
+        owner={"release_after_s": 0, "lend_when_locked": True, "lend_when_idle": True},
+        # Attributed pressure would need the upstream's process on the GPU; this bench is
+        # about the owner's return, so capacity alone admits.
+        resources=[nvidia_gpu(pressure={"enabled": False})],
+    )
 
 
 @attrs.define
@@ -296,7 +286,7 @@ async def measure(args: argparse.Namespace) -> list[Run]:
             await load_models(ollama, client, MODEL.name)
             gpu.write()
             config = directory / "vacancyd.toml"
-            config.write_text(CONFIG.format(state_dir=directory / "state", target=ollama.url))
+            config.write_text(daemon_toml(directory / "state", ollama.url))
             env = {
                 "DBUS_SYSTEM_BUS_ADDRESS": logind.address,
                 **fake_nvml_env(nvml.path, calls.path),

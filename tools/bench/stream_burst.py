@@ -40,7 +40,7 @@ import trio
 
 from tests.support.daemon import daemon_process
 from tools.bench.common import percentile, run_with_llama, version
-from tools.bench.parallel_llama import CONFIG
+from tools.bench.parallel_llama import llama_config
 
 STALE_S = 4.5  # admission's proof counts for 4 s
 
@@ -82,9 +82,7 @@ async def measure(args: argparse.Namespace, llama_url: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vacancyd-bench-") as scratch:
         directory = Path(scratch)
         config = directory / "vacancyd.toml"
-        config.write_text(
-            CONFIG.format(state_dir=directory / "state", target=llama_url, need_mib=64)
-        )
+        config.write_text(llama_config(directory / "state", llama_url, 64))
         async with (
             daemon_process(config) as daemon,
             httpx.AsyncClient(trust_env=False, timeout=120, limits=limits) as client,
