@@ -43,3 +43,17 @@ def test_the_layers_name_only_modules_that_exist_and_each_once() -> None:
     named = [name for layer in _layers() for name in layer]
     assert sorted(set(named) - _top_level_modules()) == []
     assert len(named) == len(set(named))
+
+
+MAX_LINES = 500
+SIZE_REASON = "Over 500 lines on purpose:"
+
+
+def test_no_module_is_over_500_lines_without_saying_why() -> None:
+    """A long module is split, or says in its docstring why it is one (issue 21)."""
+    unexplained = [
+        str(path.relative_to(ROOT))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if len(path.read_text().splitlines()) > MAX_LINES and SIZE_REASON not in path.read_text()
+    ]
+    assert unexplained == []

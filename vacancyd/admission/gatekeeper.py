@@ -11,6 +11,12 @@ to the same upstream and model, up to the server's slots (see ledger.py).
 
 Proof is read only when it can change the answer: a request that fits with its full
 footprint on an idle resource is admitted without asking the upstream anything.
+
+Over 500 lines on purpose: every path to a reservation (the gate, credit, a hand-off, a
+spilled model, the vacancy probe's question) ends in `_try`, whose check and reservation
+must run with no checkpoint in between; kept in one class, that atomic step and all that
+lead to it can be read, and checked for a stray `await`, in one file. The rules it applies
+are elsewhere: gate.py, need.py, ledger.py, handoff.py, handoff_plan.py.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ Every check and its reservation happen with no checkpoint in between, so under t
 cooperative scheduling they are atomic without a lock. Each reservation's phase changes
 only through `_apply`, by the table in phases.py. What a reservation is, and the other
 types the ledger's users share, is reservation.py.
+
+Over 500 lines on purpose: the ledger's state (jobs per resource, releases, holds) is
+changed only here, by checks that must not yield to another task midway; splitting it
+would spread that state, and the proof that no `await` sits inside a check, over files.
 """
 
 from __future__ import annotations

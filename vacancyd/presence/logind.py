@@ -39,6 +39,10 @@ whatever the session says, locked or idle included. An inhibitor of any other ui
 service, another user over SSH) says nothing about the owner. logind announces every
 inhibitor that starts or stops as a change of its Manager's BlockInhibited or
 DelayInhibited property, which wakes the loop like a session change.
+
+Over 500 lines on purpose: the bus reads and the rules that turn sessions into a state
+name the same logind properties, and each rule is easiest to check beside the read that
+feeds it; the rules themselves are pure functions, table-tested in tests/test_logind.py.
 """
 
 from __future__ import annotations
