@@ -33,7 +33,7 @@ import httpx
 import pytest
 import trio
 
-from tests.support.configs import NO_RESERVE, daemon_config, memory, upstream
+from tests.support.configs import NO_RESERVE, chat_and_stream, daemon_config, memory
 from tests.support.daemon import InProcessDaemon, in_process_daemon
 from tests.support.desktop import (
     SessionBusFixture,
@@ -57,15 +57,7 @@ STREAM = {"model": "m", "stream": True, "echo_stream": {"events": 3}}
 
 def agent_config(state_dir: Path, socket: Path, target: str) -> str:
     return daemon_config(
-        upstream("chat", target, adapter="llamacpp", default_need_mib={"ram": 64}),
-        upstream(
-            "stream",
-            target,
-            adapter="llamacpp",
-            resource="ram2",
-            on_owner_return="cancel",
-            default_need_mib={"ram2": 64},
-        ),
+        *chat_and_stream(target),
         state_dir=state_dir,
         poll_interval_s=None,
         presence="logind",

@@ -15,6 +15,7 @@ import h11
 import pytest
 import trio
 
+from tests.support.http_bytes import read_answer
 from vacancyd.answers import Answer, Dialect, refusal_answer
 from vacancyd.model import Reason, Refuse
 from vacancyd.proxy.replies import send_answer
@@ -22,17 +23,9 @@ from vacancyd.proxy.replies import send_answer
 
 def read_back(raw: bytes) -> tuple[h11.Response, dict[bytes, bytes], bytes]:
     """The answer as an HTTP/1.1 client reads it."""
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
-    client.receive_data(raw)
-    response = client.next_event()
-    assert isinstance(response, h11.Response)
-    body = b""
-    event = client.next_event()
-    while isinstance(event, h11.Data):
-        body += event.data
-        event = client.next_event()
-    assert isinstance(event, h11.EndOfMessage), event
+    response, body = read_answer(
+        h11.Request(method="GET", target="/", headers=[("Host", "x")]), raw
+    )
     return response, dict(response.headers), body
 
 

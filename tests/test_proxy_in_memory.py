@@ -24,6 +24,7 @@ import trio
 import trio.testing
 
 from tests.support.configs import config_from, one_upstream_config
+from tests.support.http_bytes import read_answer
 from tests.support.upstreams import EchoUpstream
 from vacancyd.adapters.registry import adapter_for
 from vacancyd.assembly import Core, UpstreamParts, build_core, build_upstream
@@ -117,8 +118,6 @@ class Rig:
                 *headers,
             ],
         )
-        client = h11.Connection(h11.CLIENT)
-        client.send(request)
         raw = b""
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
@@ -131,15 +130,7 @@ class Rig:
                 )
                 while chunk := await ours.receive_some(65536):
                     raw += chunk
-        client.receive_data(raw)
-        client.receive_data(b"")
-        response = client.next_event()
-        assert isinstance(response, h11.Response)
-        body = b""
-        event = client.next_event()
-        while isinstance(event, h11.Data):
-            body += event.data
-            event = client.next_event()
+        response, body = read_answer(request, raw)
         return Answer(response.status_code, dict(response.headers), body)
 
 

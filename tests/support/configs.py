@@ -90,6 +90,23 @@ def upstream(
     }
 
 
+def chat_and_stream(target: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two llama.cpp upstreams on one server for the owner's-return tests: "chat" on
+    "ram", and "stream" on a resource of its own ("ram2") whose work is cancelled when the
+    owner returns, so a reclaim of each can be told apart."""
+    return (
+        upstream("chat", target, adapter="llamacpp", default_need_mib={"ram": 64}),
+        upstream(
+            "stream",
+            target,
+            adapter="llamacpp",
+            resource="ram2",
+            on_owner_return="cancel",
+            default_need_mib={"ram2": 64},
+        ),
+    )
+
+
 def daemon_config(
     *upstreams: Mapping[str, Any],
     state_dir: object | None = None,

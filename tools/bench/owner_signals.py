@@ -99,7 +99,7 @@ from jeepney import DBusAddress, new_method_call
 from jeepney.io.trio import DBusRouter, open_dbus_router
 from jeepney.wrappers import unwrap_msg
 
-from tests.support.configs import daemon_config, memory, upstream
+from tests.support.configs import chat_and_stream, daemon_config, memory
 from tests.support.daemon import DaemonProcess, daemon_process
 from tests.support.desktop import MPRIS_PATH, MPRIS_PREFIX, MUTTER, log_file, session_bus
 from tests.support.echo_process import echo_process
@@ -140,15 +140,7 @@ PLAYER = "bench"
 
 def daemon_toml(state_dir: Path, socket: Path, target: str) -> str:
     return daemon_config(
-        upstream("chat", target, adapter="llamacpp", default_need_mib={"ram": 64}),
-        upstream(
-            "stream",
-            target,
-            adapter="llamacpp",
-            resource="ram2",
-            on_owner_return="cancel",
-            default_need_mib={"ram2": 64},
-        ),
+        *chat_and_stream(target),
         state_dir=state_dir,
         poll_interval_s=None,
         presence="logind",
