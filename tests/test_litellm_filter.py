@@ -130,7 +130,11 @@ async def test_a_refusing_lender_is_left_out_and_comes_back_when_it_lends(
             deployment("desk-b", f"{paused.api}/vacancy/lender"),
             deployment("always-on"),
         ]
-        chooser = VacancyFilter(cache_s=0)
+        # A probe that takes over probe_timeout_s counts as no vacancy (tested on its own
+        # below); here the lender that resumes must be read, and its first probe after the
+        # pause reads the server's residency, which on a loaded machine can take longer
+        # than the default 0.5 s.
+        chooser = VacancyFilter(cache_s=0, probe_timeout_s=GUARD_S / 2)
         assert await decide(chooser, deployments) == [["desk-a", "always-on"]]
         paused.state.set_lending(True)
         lending.state.set_lending(False)
