@@ -1,6 +1,6 @@
 """How a refusal is told over HTTP, the same on every listener: headers, not bodies.
 
-Bodies differ per route (proxy/dialects.py), and a client that cannot read the body's
+Bodies differ per route (answers.py), and a client that cannot read the body's
 shape, or cannot see the body at all (a load balancer, a browser page across origins),
 still needs the reason. So every answer vacancyd makes itself names its code in
 `X-Vacancyd-Reason`, and a refusal adds two hints that are read by different parties:

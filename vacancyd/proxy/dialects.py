@@ -1,16 +1,12 @@
-"""vacancyd's own answers written the way the route's server writes its errors.
+"""The last words of a cut stream, written the way the route's server writes its errors.
 
-A client shows a server's error the way that server writes it: the ollama client keeps
-the string under "error" and shows a dict as a dict; OpenAI and Anthropic SDKs lift
-`type`, `code` and `message` from their error objects; ComfyUI's front end reads
-`error.message`; FastAPI clients read "detail". Each body here keeps the reason code and
-the message a person needs, in the place that route's clients look.
-
-Streams: a borrowed stream cut by reclaim after its headers cannot get a status any more,
-so it ends with one last error in the stream's own framing (an SSE event, an NDJSON line)
-before the connection is broken. Clients that read stream errors raise it with the
-reason (the openai SDK raises `APIError`, the ollama client `ResponseError`); clients
-that do not still see a broken transfer, never a clean end.
+Whole answers in each dialect are rendered by vacancyd/answers.py (`error_body`); what is
+here is for an answer already under way. A borrowed stream cut by reclaim after its
+headers cannot get a status any more, so it ends with one last error in the stream's own
+framing (an SSE event, an NDJSON line) before the connection is broken. Clients that read
+stream errors raise it with the reason (the openai SDK raises `APIError`, the ollama
+client `ResponseError`); clients that do not still see a broken transfer, never a clean
+end.
 """
 
 from __future__ import annotations

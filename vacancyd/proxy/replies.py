@@ -1,10 +1,11 @@
-"""Every answer the proxy makes itself, in one place: refusals and errors.
+"""The proxy's answers to one request, written through the ASGI server: refusals and
+errors, rendered as every answer of vacancyd's own is (vacancyd/answers.py).
 
-Bodies follow the dialect of the route they answer (proxy/dialects.py): OpenAI's error
-object on OpenAI routes, Ollama's string on its native routes, and so on. Whatever the
-body, the code is in `X-Vacancyd-Reason` (vacancyd/refusals.py). A capacity refusal is
-503 with Retry-After, so a gateway can fail over and come back later, and with
-`x-should-retry`, so an SDK client fails over at once instead of sleeping in place.
+Bodies follow the dialect of the request's route: OpenAI's error object on OpenAI routes,
+Ollama's string on its native routes, and so on. Whatever the body, the code is in
+`X-Vacancyd-Reason` (vacancyd/refusals.py). A capacity refusal is 503 with Retry-After,
+so a gateway can fail over and come back later, and with `x-should-retry`, so an SDK
+client fails over at once instead of sleeping in place.
 """
 
 from __future__ import annotations
