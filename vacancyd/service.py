@@ -25,6 +25,11 @@ Shutdown runs the tree from the front: the listeners stop accepting and drain, t
 branches are closed in the reverse of the order they were opened, so reclaim and the
 collectors (which the listeners' requests read) are still there while the last responses
 finish.
+
+`run_daemon` reads as that tree: one builder per branch (`_start_operations`,
+`_start_collectors`, `_start_lending`, `_start_api`), each starting its components in
+order. The shared core and each upstream's parts are built by assembly.py; supervising
+a component is supervision.py.
 """
 
 from __future__ import annotations
