@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.configs import daemon_config, memory, nvidia_gpu, upstream
+from tests.support.fake_ollama import LLAMA31_8B_INFO
 from tests.support.gguf_files import write_llama3_8b
 from tests.support.llama import REPO, llama_paths
 from vacancyd.cli import main
@@ -151,15 +152,8 @@ class _OllamaHandler(BaseHTTPRequestHandler):
         # A per-layer array, elided to [] without verbose as Ollama does past 5 items.
         per_layer = [8] * 32 if body.get("verbose") else []
         info = {
-            "general.architecture": "llama",
-            "general.parameter_count": 8030261248,
-            "general.file_type": 15,
-            "llama.block_count": 32,
-            "llama.context_length": 131072,
-            "llama.embedding_length": 4096,
-            "llama.attention.head_count": 32,
+            **LLAMA31_8B_INFO,
             "llama.attention.head_count_kv": per_layer,
-            "llama.vocab_size": 128256,
             "tokenizer.ggml.tokens": [],
         }
         parameters = (

@@ -112,6 +112,17 @@ async def test_cancellation_before_the_answer_is_a_503(echo: EchoUpstream, tmp_p
         assert answer.headers["retry-after"] == "120"
 
 
+async def ask_for_256_mib(stream: trio.SocketStream) -> None:
+    """A raw borrowed completion whose answer (256 MiB from the echo upstream) is far
+    longer than any socket buffer: it is still being relayed when a test acts on it."""
+    body = b'{"echo_bytes": {"total": 268435456}}'
+    await stream.send_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
 async def test_a_stalled_borrower_cannot_delay_closing_the_upstream(
     echo: EchoUpstream, tmp_path: Path
 ) -> None:
@@ -120,12 +131,7 @@ async def test_a_stalled_borrower_cannot_delay_closing_the_upstream(
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            body = b'{"echo_bytes": {"total": 268435456}}'
-            await stream.send_all(
-                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
+            await ask_for_256_mib(stream)
             with trio.fail_after(5):
                 # The answer has begun, so the upstream has the job (a cut before the relay
                 # begins never reaches it at all); then the borrower stops reading.
@@ -148,12 +154,7 @@ async def test_a_job_cut_as_it_starts_is_never_sent_or_is_cut_at_the_upstream(
         host, port = host_port(daemon.proxy("echo"))
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
-            body = b'{"echo_bytes": {"total": 268435456}}'
-            await stream.send_all(
-                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
+            await ask_for_256_mib(stream)
             with trio.fail_after(5):
                 while not await _active(daemon):
                     await daemon.state.wait_changed()

@@ -504,25 +504,28 @@ def _final(model: str, created_at: str, chat: bool, reason: str, text: str) -> d
     return final
 
 
+# Llama 3.1 8B's `model_info` as Ollama's /api/show gives it: 32 layers, 8 KV heads.
+LLAMA31_8B_INFO: dict[str, Any] = {
+    "general.architecture": "llama",
+    "general.parameter_count": 8030261248,
+    "general.file_type": 15,
+    "llama.block_count": 32,
+    "llama.context_length": 131072,
+    "llama.embedding_length": 4096,
+    "llama.attention.head_count": 32,
+    "llama.attention.head_count_kv": 8,
+    "llama.vocab_size": 128256,
+}
+
+
 def llama31_8b(**changes: Any) -> Model:
     """Llama 3.1 8B at Q4_K_M as Ollama shows it: its real geometry in `model_info`
     (32 layers, 8 KV heads of 128 + 128), its size on disk and its Modelfile num_ctx."""
-    info = {
-        "general.architecture": "llama",
-        "general.parameter_count": 8030261248,
-        "general.file_type": 15,
-        "llama.block_count": 32,
-        "llama.context_length": 131072,
-        "llama.embedding_length": 4096,
-        "llama.attention.head_count": 32,
-        "llama.attention.head_count_kv": 8,
-        "llama.vocab_size": 128256,
-    }
     fields: dict[str, Any] = {
         "name": "llama3.1:8b",
         "size": 4_920_753_328,
         "parameter_size": "8.0B",
-        "model_info": info,
+        "model_info": dict(LLAMA31_8B_INFO),
         "parameters": "num_ctx                        8192",
     }
     return Model(**{**fields, **changes})

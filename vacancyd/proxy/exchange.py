@@ -87,7 +87,7 @@ class UpstreamExchange:
         """
         found = request.found
         headers = request_headers(
-            list(request.headers),
+            request.headers,
             host=self._target.host_header,
             forward_authorization=self._upstream.forward_authorization,
             credential=self._credential,

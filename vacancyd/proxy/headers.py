@@ -6,7 +6,7 @@ do headers the sender named in Connection, nor Proxy-* credentials meant for us.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -42,7 +42,7 @@ def _crosses(name: bytes, named: set[bytes]) -> bool:
 
 
 def request_headers(
-    headers: list[tuple[bytes, bytes]],
+    headers: Sequence[tuple[bytes, bytes]],
     *,
     host: str,
     forward_authorization: bool,

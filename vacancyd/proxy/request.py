@@ -12,6 +12,7 @@ checked, which borrower it counts for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ class BorrowedRequest:
         """The resolved path that is forwarded (still percent-encoded)."""
         return self.found.path
 
-    @property
+    @functools.cached_property
     def origin(self) -> bytes | None:
         return header_value(self.head.headers, b"origin")
 

@@ -250,7 +250,7 @@ class WebSocketTunnels:
 
     def _replayed(self, borrowed: BorrowedRequest, target: bytes) -> h11.Request:
         headers = request_headers(
-            list(borrowed.headers),
+            borrowed.headers,
             host=self.target.host_header,
             forward_authorization=self.upstream.forward_authorization,
             credential=self._credential,
