@@ -18,6 +18,7 @@ from vacancyd.config import parse_target
 from vacancyd.proxy.pool import PooledAnswer, UpstreamError, UpstreamPool
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 HOST = [(b"host", b"upstream")]
 
 Reply = Callable[[trio.SocketStream, bytes], Awaitable[bool]]
@@ -202,25 +203,28 @@ async def test_an_aborted_answer_never_reads_as_a_clean_end() -> None:
             await answer.read()
 
 
-class AbortAfterFirstStep(trio.abc.Instrument):
-    """Aborts `answer` the moment `task` first yields, as a reclaim cut does when it runs
-    while the relay's task is parked inside a read that already has its bytes."""
+class AbortBeforeItResumes(trio.abc.Instrument):
+    """Aborts `answer` just before `task` resumes from its first yield, which it was woken
+    from with the read's bytes in hand (a read that took them at once and yields on its
+    way back, or a wait for the socket that their arrival ended): as a reclaim cut does
+    when it runs in the same pass of the scheduler, before the relay's task. (`task` is
+    set by the task itself in its first step, so that step is not the one matched.)"""
 
     def __init__(self, answer: PooledAnswer) -> None:
         self.answer = answer
         self.task: trio.lowlevel.Task | None = None
         self.aborted = False
 
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
         if task is self.task and not self.aborted:
             self.aborted = True
             self.answer.abort()
 
 
 async def test_an_answer_aborted_while_its_end_is_being_read_never_reads_as_a_clean_end() -> None:
-    """The end of the answer is already in the socket when the relay reads again: the read
-    takes it at once and yields on its way back, and the cut runs in that yield. The read
-    must still fail: read as a clean end, the relay finished the borrower's answer while
+    """The end of the answer is already in the socket when the relay reads again, and the
+    cut runs after the read has its bytes, before the relay's task resumes. The read must
+    still fail: read as a clean end, the relay finished the borrower's answer while
     the cut was pending, and the server, cancelled inside its recycling of the borrower's
     connection, left that connection unread forever (found by tools/bench/owner_signals.py)."""
     end = trio.Event()
@@ -236,7 +240,7 @@ async def test_an_answer_aborted_while_its_end_is_being_read_never_reads_as_a_cl
         assert await answer.read() == b"abc"
         end.set()
         await trio.testing.wait_all_tasks_blocked()  # the end is in the socket's buffer
-        instrument = AbortAfterFirstStep(answer)
+        instrument = AbortBeforeItResumes(answer)
         read: list[bytes | BaseException | None] = []
 
         async def reader() -> None:
@@ -301,8 +305,19 @@ async def _second_answer(first: bytes, method: str = "GET") -> tuple[bytes, int]
         (b"HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n\r\nplanted", "GET"),
         # A Content-Length that counted characters, not bytes: one byte is left over.
         (b'HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n"\xc3\xa9"', "GET"),
+        # A response planted after a chunked body's end (read past h11: proxy/chunks.py).
+        (CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n\r\n" + PLANTED, "GET"),
+        # The same after a trailer section.
+        (CHUNKED_HEAD + b"3\r\nabc\r\n0\r\nx-t: 1\r\n\r\n" + PLANTED, "GET"),
     ],
-    ids=["planted-response", "head-with-body", "304-with-body", "length-in-characters"],
+    ids=[
+        "planted-response",
+        "head-with-body",
+        "304-with-body",
+        "length-in-characters",
+        "planted-after-chunks",
+        "planted-after-trailers",
+    ],
 )
 async def test_bytes_left_after_an_answer_never_reach_the_next_request(
     first: bytes, method: str
@@ -335,6 +350,25 @@ async def test_bytes_arriving_after_the_answer_in_a_later_read_close_the_connect
         second = await pool.request("GET", b"/v1/models", HOST, None)
         assert await read_all(second) == b"ok"
     assert script.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("first", "connections"),
+    [
+        (CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n\r\n", 1),
+        (CHUNKED_HEAD + b"3\r\nabc\r\n0\r\nx-trailer: 1\r\n\r\n", 1),
+        # The upstream says it closes, or speaks HTTP/1.0: never reused.
+        (CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n") + b"0\r\n\r\n", 2),
+        (CHUNKED_HEAD.replace(b"1.1", b"1.0") + b"3\r\nabc\r\n0\r\n\r\n", 2),
+    ],
+    ids=["chunked", "with-trailers", "connection-close", "http-1.0"],
+)
+async def test_a_chunked_answer_read_to_its_end_keeps_its_connection_by_h11s_rules(
+    first: bytes, connections: int
+) -> None:
+    """A chunked body is read past h11 (proxy/chunks.py), so the pool decides reuse itself:
+    only a body read to its end, with nothing after it, on a connection both sides keep."""
+    assert await _second_answer(first) == (b"ok", connections)
 
 
 async def test_protocol_errors_are_reported_without_the_bytes_that_caused_them() -> None:

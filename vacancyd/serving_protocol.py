@@ -67,6 +67,15 @@ _HEAD_END = re.compile(rb"\n\r?\n")
 # has a response's whole body in hand, and sends it right after the head, asks for the
 # head to go out in the same write as the body: one send and one TCP segment, not two.
 HEAD_WITH_BODY = "vacancyd.head_with_body"
+# The ASGI scope extension (a callable, in `scope["extensions"]`) that an app which has sent
+# a response's head and has its body as whole chunks already framed (proxy/chunks.py)
+# calls for a writer of them: the bytes go to the connection as they are, past hypercorn's
+# per-message path and h11's framing, with the same write deadline. None where the
+# response is not chunked on this connection (an HTTP/1.0 client, a body h11 suppresses).
+CHUNK_WRITER = "vacancyd.chunk_writer"
+
+# A writer of whole chunks (CHUNK_WRITER).
+ChunkWriter = Callable[[bytes], Awaitable[None]]
 
 
 def head_problem(buffer: bytes, max_bytes: int, max_lines: int) -> str | None:
@@ -155,6 +164,28 @@ class FrontDoorProtocol(H11Protocol):
     def hold_head(self) -> None:
         """The app's next response head waits for its first body bytes (HEAD_WITH_BODY)."""
         self._hold_head = True
+
+    def chunk_writer(self) -> ChunkWriter | None:
+        """A writer of framed chunks for the response whose head is out (CHUNK_WRITER).
+
+        h11 frames a response's body chunked or not by its own rules (the client's HTTP
+        version, the method, the status, a Content-Length): its writer says which it
+        chose. Chunks written past it keep its count right, since a chunked body has
+        none, and the end of the body still goes through it (the last chunk).
+        """
+        connection = self.connection
+        if not isinstance(connection, h11.Connection) or self._held:
+            return None
+        if connection.our_state is not h11.SEND_BODY:
+            return None
+        if type(getattr(connection, "_writer", None)).__name__ != "ChunkedWriter":
+            return None
+        return self._write_chunks
+
+    async def _write_chunks(self, data: bytes) -> None:
+        """Write whole chunks as they are; the same write (and deadline) as h11's bytes."""
+        if self.connection.our_state is h11.SEND_BODY:
+            await self.send(RawData(data=data))
 
     async def _send_h11_event(self, event: Any) -> None:
         if self._hold_head and type(event) is h11.Response:
@@ -270,7 +301,9 @@ class ConnectionApp:
         self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any
     ) -> None:
         if scope.get("type") == "http":
-            scope.setdefault("extensions", {})[HEAD_WITH_BODY] = self._protocol.hold_head
+            extensions = scope.setdefault("extensions", {})
+            extensions[HEAD_WITH_BODY] = self._protocol.hold_head
+            extensions[CHUNK_WRITER] = self._protocol.chunk_writer
             if _expects_continue(scope.get("headers", ())):
                 receive = self._continuing(receive)
         try:

@@ -50,6 +50,11 @@ class StreamTail:
     def sending(self, chunk: bytes) -> None:
         self._maybe = (self._sent + chunk)[-4:]
 
+    def sending_ending(self, last: bytes) -> None:
+        """As `sending`, given what everything sent will end with once this is (at least
+        its last four bytes, or all of it)."""
+        self._maybe = last[-4:]
+
     def sent(self) -> None:
         if self._maybe is not None:
             self._sent, self._maybe = self._maybe, None

@@ -29,7 +29,7 @@ from vacancyd.proxy.pool import UpstreamError, UpstreamPool
 from vacancyd.proxy.replies import Replies
 from vacancyd.proxy.request import BorrowedRequest
 from vacancyd.reachability import Reachability
-from vacancyd.serving_protocol import StreamCut
+from vacancyd.serving_protocol import ChunkWriter, StreamCut
 
 log = logging.getLogger("vacancyd.proxy.app")
 
@@ -150,12 +150,11 @@ class UpstreamExchange:
                         self._upstream.name,
                         response.status,
                     )
-                    hold_head = request.hold_head
                     answered = (
                         partial(self._admission.answered, reservation) if reservation else None
                     )
                     await self._relay_answer(
-                        response, replies.send, watch, tail, relay, hold_head, answered
+                        response, replies.send, watch, tail, relay, request, answered
                     )
                 nursery.cancel_scope.cancel()
         timed_out = timed_out or relay.silent
@@ -188,7 +187,7 @@ class UpstreamExchange:
         watch: DisconnectWatch,
         tail: StreamTail,
         relay: Relay,
-        hold_head: Callable[[], None] | None = None,
+        request: BorrowedRequest,
         answered: Callable[[], None] | None = None,
     ) -> None:
         """Write the upstream's answer to the borrower as it arrives; `tail` follows where
@@ -201,6 +200,9 @@ class UpstreamExchange:
         that lands while a write waits takes effect when the write is done, so `tail`
         always says exactly what the borrower was sent, and a final frame never follows
         half a chunk or a head the server has not finished writing.
+
+        A chunked answer to a borrower whose connection is chunked too goes out as the
+        chunks came (`_relay_chunks`); any other, piece by piece through the server.
         """
         body = response.whole_body()
         try:
@@ -215,8 +217,8 @@ class UpstreamExchange:
                 relay.finished = True
                 # The whole answer came with its head: the head goes out in the same
                 # write as the body (`hold_head`, serving_protocol.py).
-                if hold_head is not None:
-                    hold_head()
+                if request.hold_head is not None:
+                    request.hold_head()
                 await send(head)
                 tail.started = True
                 watch.finishing = True
@@ -227,16 +229,13 @@ class UpstreamExchange:
             try:
                 await send(head)
                 tail.started = True
-                while True:
-                    # Watched by `Relay.watch_silence`: only the wait on the upstream counts.
-                    relay.reading_since = trio.current_time()
-                    chunk = await response.read()
-                    relay.reading_since = None
-                    if chunk is None:
-                        break
-                    tail.sending(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    tail.sent()
+                # Asked once the head is out: the server's framing of the body is then known.
+                chunk_writer = request.chunk_writer
+                write = chunk_writer() if chunk_writer is not None and response.chunked else None
+                if write is not None:
+                    await _relay_chunks(response, write, tail, relay)
+                else:
+                    await _relay_pieces(response, send, tail, relay)
             finally:
                 response.release()
             if answered is not None:
@@ -331,6 +330,41 @@ class UpstreamExchange:
             # Bounded: a borrower that stopped reading gets the break without the frame.
             with trio.move_on_after(FINAL_FRAME_TIMEOUT_S):
                 await replies.send({"type": "http.response.body", "body": frame, "more_body": True})
+
+
+async def _relay_pieces(
+    response: UpstreamResponse, send: Any, tail: StreamTail, relay: Relay
+) -> None:
+    """The answer's body through the server, each read's bytes as one message."""
+    while True:
+        # Watched by `Relay.watch_silence`: only the wait on the upstream counts.
+        relay.reading_since = trio.current_time()
+        chunk = await response.read()
+        relay.reading_since = None
+        if chunk is None:
+            return
+        tail.sending(chunk)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        tail.sent()
+
+
+async def _relay_chunks(
+    response: UpstreamResponse, write: ChunkWriter, tail: StreamTail, relay: Relay
+) -> None:
+    """A chunked answer to a chunked connection: each read's whole chunks written as they
+    came, past the server's per-message path and both sides' h11 framing (the per-event
+    cost of a streamed answer: docs/performance.md). The write is the server's own, with
+    its stall deadline, and is never stopped half way; reads and cuts are as in the loop
+    through the server, and the body's end still goes through it."""
+    while True:
+        relay.reading_since = trio.current_time()
+        framed = await response.read_framed()
+        relay.reading_since = None
+        if framed is None:
+            return
+        tail.sending_ending(response.payload_tail)
+        await write(framed)
+        tail.sent()
 
 
 def _quiet(exc: BaseException) -> str:

@@ -165,6 +165,20 @@ class UpstreamResponse:
         the relay was stopped (see `Relay`): a cut answer never reads as a clean end."""
         return await self._answer.read()
 
+    @property
+    def chunked(self) -> bool:
+        """Whether the body is chunked, so it can be read framed (`read_framed`)."""
+        return self._answer.chunked
+
+    async def read_framed(self) -> bytes | None:
+        """As `read`, for a chunked body: whole chunks, framed, as a chunked connection
+        sends them (proxy/chunks.py); `payload_tail` is then what their payload ends with."""
+        return await self._answer.read_framed()
+
+    @property
+    def payload_tail(self) -> bytes:
+        return self._answer.payload_tail
+
     def release(self) -> None:
         """Done with the answer: its connection is reused if it was read to its end."""
         self._answer.release()

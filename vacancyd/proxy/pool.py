@@ -32,11 +32,14 @@ messages reach the log and /status.
 
 from __future__ import annotations
 
+import os
+
 import h11
 import trio
 
 from vacancyd.config import Target
 from vacancyd.errors import quiet_detail
+from vacancyd.proxy.chunks import ChunkedBody, ChunkError
 from vacancyd.proxy.connect import CONNECT_FAILURES, Connector, UpstreamError
 
 __all__ = ["CONNECT_FAILURES", "PooledAnswer", "UpstreamError", "UpstreamPool"]
@@ -60,7 +63,9 @@ class _Connection:
     def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         self.stream = stream
         self.socket = sock
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        # A plain TCP connection, read straight from its socket (`receive_raw`); not TLS.
+        self.plain = isinstance(stream, trio.SocketStream) and os.name == "posix"
+        self.h11 = _parser()
         self.idle_since = 0.0
 
     def close(self) -> None:
@@ -85,21 +90,49 @@ class _Connection:
             await self.receive()
 
     async def receive(self) -> None:
-        try:
-            data = await self.stream.receive_some(READ_SIZE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise UpstreamError("ReadError", quiet_detail(exc)) from exc
+        data = await self.receive_raw()
         if not data and self.h11.their_state is h11.SEND_RESPONSE:
             raise UpstreamError(
                 "RemoteProtocolError", "Server disconnected without sending a response."
             )
-        self.h11.receive_data(data if isinstance(data, bytes) else bytes(data))
+        self.h11.receive_data(data)
+
+    async def receive_raw(self) -> bytes:
+        """The bytes that have arrived (waiting for some), b"" once the upstream closed.
+
+        On a plain TCP connection: wait until the socket is readable, then read it, rather
+        than trio's stream read, which tries the read first (a wasted syscall and an
+        exception when the next piece of a stream has not come yet, as it mostly has not)
+        and wraps it in layers a relay pays for on every event."""
+        try:
+            if not self.plain:
+                data = await self.stream.receive_some(READ_SIZE)
+                return data if isinstance(data, bytes) else bytes(data)
+            while True:
+                await trio.lowlevel.wait_readable(self.socket)
+                try:
+                    return os.read(self.socket.fileno(), READ_SIZE)
+                except BlockingIOError:
+                    continue  # readable was a false alarm: wait again
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise UpstreamError("ReadError", quiet_detail(exc)) from exc
+
+
+def _parser() -> h11.Connection:
+    return h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
 
 
 class PooledAnswer:
-    """An upstream's answer whose body is still to be read; `release` it when done."""
+    """An upstream's answer whose body is still to be read; `release` it when done.
 
-    def __init__(self, pool: UpstreamPool, connection: _Connection, head: h11.Response) -> None:
+    A chunked body is read past h11 (proxy/chunks.py): its bytes are scanned once, and can
+    be taken framed as they came (`read_framed`) for a borrower's connection that is
+    chunked too. Any other body is parsed by h11.
+    """
+
+    def __init__(
+        self, pool: UpstreamPool, connection: _Connection, head: h11.Response, method: str
+    ) -> None:
         self.status = head.status_code
         # h11 gives header names in lower case.
         self.headers: Headers = list(head.headers)
@@ -108,16 +141,34 @@ class PooledAnswer:
         self._pieces: list[bytes] = []
         self._ended = False
         self._aborted = False
+        self._chunks: ChunkedBody | None = None
+        self._keep_alive = False
+        if _chunked_body(method, head):
+            self._chunks = ChunkedBody()
+            self._keep_alive = _keeps_alive(head)
+            # What came in the same reads as the head; from here the socket is read here.
+            buffered = connection.h11.trailing_data[0]
+            if buffered:
+                self._feed(buffered)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the body is chunked (and so can be read framed, `read_framed`)."""
+        return self._chunks is not None
 
     @property
     def complete(self) -> bool:
         """Whether the whole body has arrived (no read will wait on the upstream)."""
+        if self._chunks is not None:
+            return self._chunks.ended
         return self._parse()
 
     async def read(self) -> bytes | None:
         """The body bytes that have arrived (waiting for some if none has), or None at
         the end. Raises UpstreamError if the upstream breaks the answer, or once `abort`
         has closed its connection."""
+        if self._chunks is not None:
+            return await self._read_chunks(framed=False)
         if self._aborted:
             await trio.lowlevel.checkpoint()  # whoever aborted it cancelled the reader too
             raise UpstreamError("ReadError", "the connection was closed mid-answer")
@@ -133,8 +184,45 @@ class PooledAnswer:
             return None
         return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
+    async def read_framed(self) -> bytes | None:
+        """As `read`, for a chunked body: the bytes as whole chunks (those that arrived
+        whole, as they came), ready for a chunked connection; None at the end."""
+        return await self._read_chunks(framed=True)
+
+    @property
+    def payload_tail(self) -> bytes:
+        """The last bytes (at most four) of the chunked body's payload read so far."""
+        return self._chunks.tail if self._chunks is not None else b""
+
+    async def _read_chunks(self, *, framed: bool) -> bytes | None:
+        chunks = self._chunks
+        assert chunks is not None
+        if self._aborted:
+            await trio.lowlevel.checkpoint()
+            raise UpstreamError("ReadError", "the connection was closed mid-answer")
+        while not chunks.pending and not chunks.ended:
+            assert self._connection is not None
+            data = await self._connection.receive_raw()
+            if self._aborted:
+                raise UpstreamError("ReadError", "the connection was closed mid-answer")
+            if not data:
+                raise UpstreamError("RemoteProtocolError", BROKEN_ANSWER)
+            self._feed(data)
+        if not chunks.pending:
+            return None
+        return chunks.take_framed() if framed else chunks.take_payload()
+
+    def _feed(self, data: bytes) -> None:
+        assert self._chunks is not None
+        try:
+            self._chunks.feed(data)
+        except ChunkError as exc:
+            raise UpstreamError("RemoteProtocolError", BROKEN_ANSWER) from exc
+
     def take(self) -> bytes:
         """The body pieces parsed so far, as one (with `complete`, the whole body)."""
+        if self._chunks is not None:
+            return self._chunks.take_payload()
         pieces, self._pieces = self._pieces, []
         return b"".join(pieces)
 
@@ -173,7 +261,15 @@ class PooledAnswer:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if self._ended and _clean(connection):
+        chunks = self._chunks
+        if chunks is not None:
+            if chunks.ended and not chunks.leftover and self._keep_alive and _idle(connection):
+                # h11 saw only the head: the next exchange starts with a parser of its own.
+                connection.h11 = _parser()
+                self._pool.give_back(connection)
+            else:
+                connection.close()
+        elif self._ended and _clean(connection):
             connection.h11.start_next_cycle()
             self._pool.give_back(connection)
         else:
@@ -205,7 +301,7 @@ class UpstreamPool:
         except BaseException:
             connection.close()
             raise
-        return PooledAnswer(self, connection, head)
+        return PooledAnswer(self, connection, head, method)
 
     async def _exchange(
         self,
@@ -275,17 +371,37 @@ class UpstreamPool:
             connection.close()
 
 
+def _chunked_body(method: str, head: h11.Response) -> bool:
+    """Whether the answer has a chunked body, by h11's rules (which checked the head: a
+    Transfer-Encoding it accepts is `chunked`, alone)."""
+    if method == "HEAD" or head.status_code in (204, 304):
+        return False
+    if method == "CONNECT" and 200 <= head.status_code < 300:
+        return False
+    return any(name == b"transfer-encoding" for name, _ in head.headers)
+
+
+def _keeps_alive(head: h11.Response) -> bool:
+    """Whether the upstream lets the connection carry another request, by h11's rule."""
+    if head.http_version != b"1.1":
+        return False
+    return not any(
+        name == b"connection" and b"close" in [token.strip() for token in value.lower().split(b",")]
+        for name, value in head.headers
+    )
+
+
+def _idle(connection: _Connection) -> bool:
+    """Whether the request side is done and nothing waits on the socket."""
+    return connection.h11.our_state is h11.DONE and not _readable(connection)
+
+
 def _clean(connection: _Connection) -> bool:
     """Whether a connection whose answer was read to its end can carry another request:
     both sides are done, nothing is left in the parser's buffer (bytes that came in the
     same read as the answer's end) and nothing waits on the socket."""
     parser = connection.h11
-    return (
-        parser.our_state is h11.DONE
-        and parser.their_state is h11.DONE
-        and not parser.trailing_data[0]
-        and not _readable(connection)
-    )
+    return parser.their_state is h11.DONE and not parser.trailing_data[0] and _idle(connection)
 
 
 def _readable(connection: _Connection) -> bool:

@@ -22,7 +22,7 @@ from vacancyd.adapters.routes import Classification, RouteRules
 from vacancyd.answers import Dialect
 from vacancyd.proxy.headers import Framing, header_value
 from vacancyd.proxy.policy import RequestHead, asks_for_websocket
-from vacancyd.serving_protocol import HEAD_WITH_BODY
+from vacancyd.serving_protocol import CHUNK_WRITER, HEAD_WITH_BODY
 
 
 @attrs.frozen
@@ -35,6 +35,8 @@ class BorrowedRequest:
     client: tuple[str, int] | None = None
     # The listener's hook that holds an answer's head for its first body bytes, if any.
     hold_head: Any = None
+    # The listener's hook that gives a writer of already framed chunks, if any.
+    chunk_writer: Any = None
     # The borrower it counts for: set once the front door let it through (`admitted_as`).
     borrower: str = ""
 
@@ -68,12 +70,18 @@ class BorrowedRequest:
         return attrs.evolve(self, borrower=borrower)
 
 
-def _built(head: RequestHead, rules: RouteRules, client: Any, hold_head: Any) -> BorrowedRequest:
+def _built(
+    head: RequestHead,
+    rules: RouteRules,
+    client: Any,
+    hold_head: Any = None,
+    chunk_writer: Any = None,
+) -> BorrowedRequest:
     # A WebSocket upgrade is classified as the GET it is; the front door refuses any other
     # method that asks to switch.
     found = rules.classify("GET" if head.websocket else head.method, head.raw_path, head.query)
     peer = (str(client[0]), int(client[1])) if client else None
-    return BorrowedRequest(head, found, rules.dialect_for(found), peer, hold_head)
+    return BorrowedRequest(head, found, rules.dialect_for(found), peer, hold_head, chunk_writer)
 
 
 def from_scope(scope: Mapping[str, Any], rules: RouteRules) -> BorrowedRequest:
@@ -87,8 +95,14 @@ def from_scope(scope: Mapping[str, Any], rules: RouteRules) -> BorrowedRequest:
         headers,
         websocket=asks_for_websocket(method, headers),
     )
-    hold_head = scope.get("extensions", {}).get(HEAD_WITH_BODY)
-    return _built(head, rules, scope.get("client"), hold_head)
+    extensions = scope.get("extensions", {})
+    return _built(
+        head,
+        rules,
+        scope.get("client"),
+        extensions.get(HEAD_WITH_BODY),
+        extensions.get(CHUNK_WRITER),
+    )
 
 
 def from_upgrade(
@@ -101,4 +115,4 @@ def from_upgrade(
     """The WebSocket upgrade the listener hands over (its head, as h11 parsed it)."""
     raw_path, _, query = target.partition(b"?")
     head = RequestHead(method.decode("ascii"), raw_path, query, list(headers), websocket=True)
-    return _built(head, rules, client, None)
+    return _built(head, rules, client)
