@@ -7,7 +7,7 @@ the project's environment:
     python tools/bench/stream_fanout.py                   # 100 streams x 300 events at 100/s
     python tools/bench/stream_fanout.py --streams 1 --rate 1000 --events 3000
     python tools/bench/stream_fanout.py [--rounds 2] [--no-pin] [--max-seconds 300]
-                                        [--json FILE]
+                                        [--json FILE] [--bare-relay]
 
 Why: a large inference server batches its streams, so at every decoding step each of them
 gets one event, all at the same moment. A proxy in front of it must then relay
@@ -17,6 +17,11 @@ form (one stream, 1,000 events a second) reads the same cost for events that arr
 at a time, with no other stream to share a wake-up with. (asyncio's timer waits in whole
 milliseconds, so at 1,000 a second an event now and then goes out with the next one: the
 "events per client read" row shows how often; a lower rate keeps them strictly apart.)
+
+`--bare-relay` puts a minimal trio relay (this script, no HTTP parsing: wait readable, read,
+write) where vacancyd was, pinned and measured the same way: a floor to compare vacancyd's
+per-event CPU with, showing how much of it is the event loop and the syscalls rather than
+vacancyd's own code.
 
 What runs, all on 127.0.0.1:
 
@@ -102,6 +107,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import trio
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -240,16 +247,18 @@ async def _serve_upstream(slots: int, max_seconds: float) -> None:
 
 @contextmanager
 def upstream_process(slots: int, max_seconds: float) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    with _script_process(
+        "--serve-upstream", "--streams", str(slots), "--max-seconds", str(max_seconds)
+    ) as running:
+        yield running
+
+
+@contextmanager
+def _script_process(*arguments: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """This script re-run with `arguments`; it prints its port on stdout once listening,
+    and ends when its stdin is closed (at the end of the `with`)."""
     process = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--serve-upstream",
-            "--streams",
-            str(slots),
-            "--max-seconds",
-            str(max_seconds),
-        ],
+        [sys.executable, __file__, *arguments],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -266,6 +275,113 @@ def upstream_process(slots: int, max_seconds: float) -> Iterator[tuple[subproces
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# The bare relay (--bare-relay; runs in its own process)
+
+
+async def _copy(source: trio.socket.SocketType, target: trio.socket.SocketType) -> None:
+    """Bytes from `source` to `target` as they come, the leanest way trio has (the shape of
+    vacancyd's relay): wait until readable, one read, one write, waiting for writable only
+    for the rest of a partial write. At EOF (or a reset) the write half of `target` is shut.
+    Ends at EOF, or by cancellation when the relay process ends."""
+    read_fd, write_fd = source.fileno(), target.fileno()
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(source)
+            try:
+                data = os.read(read_fd, READ_SIZE)
+            except BlockingIOError:
+                continue  # readable was a false alarm: wait again
+            if not data:
+                break
+            try:
+                sent = os.write(write_fd, data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                rest = memoryview(data)[sent:]
+                while rest:  # bounded: every pass sends bytes or waits for room
+                    await trio.lowlevel.wait_writable(target)
+                    with contextlib.suppress(BlockingIOError):  # room was a false alarm
+                        rest = rest[os.write(write_fd, rest) :]
+    except OSError:
+        pass  # a reset or a broken pipe: this direction is over
+    finally:
+        with contextlib.suppress(OSError):
+            target.shutdown(socket.SHUT_WR)
+
+
+async def _relay_connection(client: trio.socket.SocketType, upstream_port: int) -> None:
+    """One accepted connection: a plain TCP connection to the upstream, bytes copied each
+    way verbatim (no HTTP parsing) until both directions have ended; then both closed."""
+    upstream = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        for sock in (client, upstream):  # as trio's SocketStream (and so vacancyd) sets it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await upstream.connect(("127.0.0.1", upstream_port))
+        except OSError:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_copy, client, upstream)
+            nursery.start_soon(_copy, upstream, client)
+    finally:
+        upstream.close()
+        client.close()
+
+
+async def _accept(
+    listener: trio.socket.SocketType, upstream_port: int, nursery: trio.Nursery
+) -> None:
+    while True:  # ends by cancellation when the relay process ends
+        client, _ = await listener.accept()
+        nursery.start_soon(_relay_connection, client, upstream_port)
+
+
+async def _stdin_closed() -> None:
+    """Returns once the parent has closed our stdin (or died); it never writes to it."""
+    fd = sys.stdin.fileno()
+    os.set_blocking(fd, False)
+    while True:  # bounded by the caller's deadline
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            if not os.read(fd, 4096):
+                return
+        except BlockingIOError:
+            continue
+
+
+async def _serve_bare_relay(upstream_port: int, backlog: int, max_seconds: float) -> None:
+    listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(backlog)
+    print(listener.getsockname()[1], flush=True)
+    with listener:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_accept, listener, upstream_port, nursery)
+            # Ends when the parent closes our stdin (or dies), or after --max-seconds.
+            with trio.move_on_after(max_seconds):
+                await _stdin_closed()
+            nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def bare_relay_process(
+    target: str, streams: int, max_seconds: float
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """The bare trio relay in front of `target`; yields it and its base URL."""
+    with _script_process(
+        "--serve-bare-relay",
+        target.rsplit(":", 1)[1],
+        "--streams",
+        str(streams),
+        "--max-seconds",
+        str(max_seconds),
+    ) as running:
+        yield running
 
 
 # ---------------------------------------------------------------------------------------
@@ -619,8 +735,11 @@ def _num(value: float, digits: int) -> str:
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
-def table(direct: dict[str, Any], proxy: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(figure, direct, proxy, proxy against direct) per row."""
+def table(
+    direct: dict[str, Any], proxy: dict[str, Any], relay: str = "vacancyd"
+) -> list[tuple[str, str, str, str]]:
+    """(figure, direct, proxy, proxy against direct) per row; `relay` names what ran on the
+    proxy path (vacancyd, or the bare trio relay) in the rows of its own CPU."""
 
     def added(key: str) -> str:
         return f"{proxy[key] - direct[key]:+.2f} ms added"
@@ -702,13 +821,13 @@ def table(direct: dict[str, Any], proxy: dict[str, Any]) -> list[tuple[str, str,
             "",
         ),
         (
-            "vacancyd CPU per wall second (cores)",
+            f"{relay} CPU per wall second (cores)",
             "-",
             _num(proxy["daemon_cpu_per_s"], 3),
             "",
         ),
         (
-            "vacancyd CPU per relayed event (us)",
+            f"{relay} CPU per relayed event (us)",
             "-",
             _num(proxy["daemon_cpu_us_per_event"], 1),
             "",
@@ -722,12 +841,15 @@ def table(direct: dict[str, Any], proxy: dict[str, Any]) -> list[tuple[str, str,
     ]
 
 
-def print_table(rows: list[tuple[str, str, str, str]]) -> None:
-    header = f"{'figure':40} | {'direct':>13} | {'proxy':>13} | proxy vs direct"
+def print_table(rows: list[tuple[str, str, str, str]], column: str = "proxy") -> None:
+    """`column` names the proxy path: "proxy" (vacancyd) or "bare trio relay"."""
+    name = max(40, *(len(row[0]) for row in rows))
+    width = max(13, len(column))
+    header = f"{'figure':{name}} | {'direct':>{width}} | {column:>{width}} | {column} vs direct"
     print(header)
     print("-" * len(header))
     for figure, direct, proxy, versus in rows:
-        print(f"{figure:40} | {direct:>13} | {proxy:>13} | {versus}")
+        print(f"{figure:{name}} | {direct:>{width}} | {proxy:>{width}} | {versus}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -764,11 +886,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=300, help="deadline (300)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--bare-relay",
+        action="store_true",
+        help="relay through a minimal trio relay (no HTTP parsing) instead of vacancyd: "
+        "the floor of the stack itself",
+    )
     parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve-bare-relay", type=int, metavar="TARGET_PORT", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.serve_upstream:
         # Here --streams is the slot count the upstream claims.
         asyncio.run(_serve_upstream(args.streams, args.max_seconds))
+        return 0
+    if args.serve_bare_relay is not None:
+        backlog = max(128, 2 * args.streams)
+        trio.run(_serve_bare_relay, args.serve_bare_relay, backlog, args.max_seconds)
         return 0
     if args.streams < 1 or args.events < 2 or args.rate <= 0 or args.rounds < 1:
         parser.error("--streams >= 1, --events >= 2, --rate > 0 and --rounds >= 1, please")
@@ -785,12 +920,22 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     pinned = not args.no_pin and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
     slots = args.streams + 16  # spare slots: a stream's release may trail its end
+    # What the proxy path goes through, named so that a bare relay's figures are never
+    # taken for vacancyd's: in the CPU rows and lines, the table's column, the JSON's keys.
+    relay = "bare trio relay" if args.bare_relay else "vacancyd"
+    column = "bare trio relay" if args.bare_relay else "proxy"
+    key = "bare_relay" if args.bare_relay else "proxy"
     measured: dict[str, list[dict[str, Any]]] = {"direct": [], "proxy": []}
     ran: list[dict[str, Any]] = []  # each measured round's own figures, in the order run
-    with (
-        upstream_process(slots, args.max_seconds + 30) as (upstream, target),
-        vacancyd_llamacpp(target, args.streams) as (daemon, proxy_url),
-    ):
+    with contextlib.ExitStack() as stack:
+        upstream, target = stack.enter_context(upstream_process(slots, args.max_seconds + 30))
+        daemon: subprocess.Popen[Any]
+        if args.bare_relay:
+            daemon, proxy_url = stack.enter_context(
+                bare_relay_process(target, args.streams, args.max_seconds + 30)
+            )
+        else:
+            daemon, proxy_url = stack.enter_context(vacancyd_llamacpp(target, args.streams))
         if pinned:
             pin_threads(daemon.pid, 1)
             pin_threads(upstream.pid, 0)
@@ -816,11 +961,13 @@ def main(argv: list[str] | None = None) -> int:
                     upstream_cpu,
                 )
                 measured[path].append(result)
-                ran.append({"path": path, "figures": summarize([result])})
+                ran.append(
+                    {"path": key if path == "proxy" else path, "figures": summarize([result])}
+                )
         daemon_rss = rss_mib(daemon.pid)
     elapsed = time.monotonic() - started
     direct, proxy = summarize(measured["direct"]), summarize(measured["proxy"])
-    rows = table(direct, proxy)
+    rows = table(direct, proxy, relay)
 
     print(f"machine: {machine()}")
     if load_before is not None:
@@ -829,10 +976,16 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{value:.2f}" for value in load_before)
             + " (other work on the machine shows up in the delays first)"
         )
+    if args.bare_relay:
+        relayed_by = (
+            "bare trio relay subprocess (NOT vacancyd: this script, bytes copied verbatim, "
+            "no HTTP parsing)"
+        )
+    else:
+        relayed_by = f"vacancyd subprocess (llamacpp adapter, {slots} slots claimed)"
     print(
         f"processes: upstream (asyncio) and client {'on CPU 0' if pinned else 'unpinned'}, "
-        f"vacancyd subprocess (llamacpp adapter, {slots} slots claimed) "
-        f"{'on CPU 1' if pinned else 'unpinned'}"
+        f"{relayed_by} {'on CPU 1' if pinned else 'unpinned'}"
     )
     print(
         f"parameters: {args.streams} streams at once x {args.events} events at "
@@ -841,28 +994,29 @@ def main(argv: list[str] | None = None) -> int:
         f"first, after a {warmup_events}-event warm-up on each path"
     )
     print()
-    print_table(rows)
+    print_table(rows, column)
     print()
     for index, done in enumerate(ran):
         path, figures = done["path"], done["figures"]
         line = (
-            f"round {index // 2 + 1}, {path}: delay p99 {figures['delay_p99_ms']:.3f} ms, "
+            f"round {index // 2 + 1}, {'direct' if path == 'direct' else column}: "
+            f"delay p99 {figures['delay_p99_ms']:.3f} ms, "
             f"rate min {figures['rate_min']:.2f}/s, {figures['events']} events"
         )
-        if path == "proxy":
+        if path != "direct":
             line += (
-                f", vacancyd {figures['daemon_cpu_us_per_event']:.1f} us per event, "
+                f", {relay} {figures['daemon_cpu_us_per_event']:.1f} us per event, "
                 f"{figures['daemon_cpu_per_s']:.3f} CPU per wall second"
             )
         print(line)
-    for name, figures in (("direct", direct), ("proxy", proxy)):
+    for name, figures in (("direct", direct), (column, proxy)):
         if figures["problems"]:
             print(
                 f"{name} problems: "
                 + "; ".join(f"{count} x {why}" for why, count in figures["problems"].items())
             )
     if daemon_rss is not None:
-        print(f"vacancyd RSS at the end of the run: {daemon_rss:.1f} MiB")
+        print(f"{relay} RSS at the end of the run: {daemon_rss:.1f} MiB")
     print(f"total time of this command: {elapsed:.1f} s")
     if args.json:
         args.json.write_text(
@@ -872,6 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
                         "machine": machine(),
                         "load_before": load_before,
                         "pinned": pinned,
+                        "relay": relay,
                         "parameters": {
                             "streams": args.streams,
                             "rate": args.rate,
@@ -880,13 +1035,12 @@ def main(argv: list[str] | None = None) -> int:
                             "slots": slots,
                         },
                         "direct": direct,
-                        "proxy": proxy,
+                        key: proxy,
                         "rows": [
-                            {"figure": f, "direct": d, "proxy": p, "versus": v}
-                            for f, d, p, v in rows
+                            {"figure": f, "direct": d, key: p, "versus": v} for f, d, p, v in rows
                         ],
                         "rounds": ran,
-                        "vacancyd_rss_mib": daemon_rss,
+                        ("bare_relay" if args.bare_relay else "vacancyd") + "_rss_mib": daemon_rss,
                         "elapsed_s": elapsed,
                     }
                 ),
