@@ -44,6 +44,7 @@ from vacancyd.footprint.processes import (
     Member,
     TreeMemory,
     member,
+    members_memory,
     still_running,
     tree_memory,
 )
@@ -119,6 +120,8 @@ class FootprintBook:
         self._estimates: dict[tuple[str, str], _Estimate] = {}
         # Per upstream: the processes that listened for it when last looked for.
         self._roots: dict[str, frozenset[Member]] = {}
+        # Per upstream: its whole tree as the last full reading found it.
+        self._trees: dict[str, frozenset[Member]] = {}
         self._unseen_until: dict[str, float] = {}
 
     def use_credential(self, upstream: str, credential: str | None) -> None:
@@ -223,9 +226,17 @@ class FootprintBook:
         names = upstream.resources
         return [name for name in names if self._kinds.get(name) is ResourceKind.MEMORY]
 
-    async def host_memory(self, upstream: UpstreamConfig) -> TreeMemory | None:
+    async def host_memory(
+        self, upstream: UpstreamConfig, *, look_for_children: bool = True
+    ) -> TreeMemory | None:
         """The RSS of the upstream's process tree now (None: not measured here, not
-        found, or not read within TREE_DEADLINE_S)."""
+        found, or not read within TREE_DEADLINE_S).
+
+        With `look_for_children` False (the reading before a job, on its way to the
+        upstream), the tree is the one found by the last full reading, without looking
+        for processes it started since; a tree never read in full is read in full. A
+        child that was missed there is counted whole in the full reading after the job,
+        so a load is measured larger, never smaller, than it was."""
         if not self.measures_host(upstream):
             return None
         now = trio.current_time()
@@ -233,7 +244,7 @@ class FootprintBook:
             return None
         with trio.move_on_after(TREE_DEADLINE_S):
             found = await trio.to_thread.run_sync(
-                self._tree_blocking, upstream, abandon_on_cancel=True
+                self._tree_blocking, upstream, look_for_children, abandon_on_cancel=True
             )
             if found is None:
                 # Nothing of ours listens there (or not visibly): look again later,
@@ -242,7 +253,9 @@ class FootprintBook:
             return found
         return None
 
-    def _tree_blocking(self, upstream: UpstreamConfig) -> TreeMemory | None:
+    def _tree_blocking(
+        self, upstream: UpstreamConfig, look_for_children: bool
+    ) -> TreeMemory | None:
         # Finding the listener reads every process's sockets; it is done again only when
         # a process that listened is gone.
         assert self._find_server is not None
@@ -251,7 +264,16 @@ class FootprintBook:
             found = (member(pid) for pid in self._find_server(upstream.endpoint))
             roots = frozenset(root for root in found if root is not None)
             self._roots[upstream.name] = roots
-        return tree_memory(root.pid for root in roots)
+            self._trees.pop(upstream.name, None)
+        known = self._trees.get(upstream.name)
+        if not look_for_children and known is not None:
+            present = members_memory(known)
+            if present is not None:
+                return present
+        tree = tree_memory(root.pid for root in roots)
+        if tree is not None:
+            self._trees[upstream.name] = tree.members
+        return tree
 
     def measure_host(
         self,

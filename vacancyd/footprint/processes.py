@@ -89,6 +89,29 @@ def tree_memory(roots: Iterable[int]) -> TreeMemory | None:
     return TreeMemory(frozenset(members), total)
 
 
+def members_memory(members: Iterable[Member]) -> TreeMemory | None:
+    """The RSS of those of `members` (a tree read earlier) that still run, without
+    looking for children they have started since; None when none still runs.
+
+    Looking for children is what costs: psutil finds them by reading every process's
+    stat file on the machine (hundreds on a desktop, milliseconds on every call); this
+    reads two small files per member."""
+    present: set[Member] = set()
+    total = 0
+    for known in members:
+        try:
+            process = psutil.Process(known.pid)
+            if Member(known.pid, process.create_time()) != known:
+                continue  # the pid now names a later process
+            total += process.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        present.add(known)
+    if not present:
+        return None
+    return TreeMemory(frozenset(present), total)
+
+
 def server_command(roots: Iterable[int]) -> list[str] | None:
     """The command line the server was started with (its first readable root's), or None
     where none can be read."""

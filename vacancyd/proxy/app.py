@@ -229,8 +229,9 @@ class ProxyApp:
         try:
             if not outcome.shared and self.footprints is not None:
                 # Before the job can load anything: the server's host memory, which its
-                # load is measured against (a few ms; at most TREE_DEADLINE_S).
-                before = await self.footprints.host_memory(self.upstream)
+                # load is measured against (its processes as last found: a fraction of a
+                # ms; the first time, or after its listener changed, a few ms).
+                before = await self.footprints.host_memory(self.upstream, look_for_children=False)
                 outcome.host_rss_before_mib = None if before is None else before.rss_mib
             status = await self._exchange.forward(
                 borrowed, receive, replies, body, reservation=outcome, relay=relay
