@@ -1,9 +1,10 @@
 """The server's host memory, read before and after an exclusive job (footprint/book.py).
 
 The reading before a job is on the job's way to the upstream, so it does not look for
-new children (that reads every process's stat file on the machine); the reading after
-the job does, and what it finds is what the next reading before a job goes by. A real
-process tree: a Python "server" that starts a child when told to.
+new children (psutil's search reads every process's stat file on the machine); the
+reading after the job does, among the processes started since the last reading, and
+what it finds is what the next reading before a job goes by. A real process tree: a
+Python "server" that starts a child (which starts a grandchild) when told to.
 """
 
 from __future__ import annotations
@@ -24,13 +25,20 @@ from vacancyd.config import parse_config
 from vacancyd.footprint.book import FootprintBook
 from vacancyd.persist import StateFileProblems
 
-# Prints its pid; for each line it reads, starts a child that sleeps and prints its pid.
+# Says it runs; for each line it reads, starts a child that starts a grandchild, and
+# prints both pids once both run.
 SERVER = """
 import subprocess, sys
+GRANDCHILD = "import time; time.sleep(60)"
+CHILD = (
+    "import subprocess, sys, time; "
+    f"g = subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}]); "
+    "print(g.pid, flush=True); time.sleep(60)"
+)
 print(flush=True)
 for _ in sys.stdin:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    print(child.pid, flush=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    print(child.pid, child.stdout.readline().strip(), flush=True)
 """
 
 
@@ -47,11 +55,12 @@ def server_tree() -> Iterator[subprocess.Popen[str]]:
             process.kill()
 
 
-def start_child(server: subprocess.Popen[str]) -> int:
+def start_children(server: subprocess.Popen[str]) -> list[int]:
+    """A child of the server and a grandchild: their pids."""
     assert server.stdin is not None and server.stdout is not None
     server.stdin.write("\n")
     server.stdin.flush()
-    return int(server.stdout.readline())
+    return [int(pid) for pid in server.stdout.readline().split()]
 
 
 async def test_the_reading_before_a_job_goes_by_the_tree_the_last_full_reading_found(
@@ -59,7 +68,7 @@ async def test_the_reading_before_a_job_goes_by_the_tree_the_last_full_reading_f
 ) -> None:
     config = parse_config(lender_config("http://127.0.0.1:9", tmp_path, adapter="ollama"))
     (upstream,) = config.upstream
-    children: list[int] = []
+    children: list[int] = []  # the child and the grandchild, once started
     try:
         with server_tree() as server:
             book = FootprintBook(
@@ -76,12 +85,21 @@ async def test_the_reading_before_a_job_goes_by_the_tree_the_last_full_reading_f
 
             # Never read in full: the first reading is a full one, whatever it is asked.
             assert await pids(look_for_children=False) == {server.pid}
-            children.append(await trio.to_thread.run_sync(start_child, server))
-            # Before a job: the tree as last found, without the new child.
-            assert await pids(look_for_children=False) == {server.pid}
-            # After a job: the child is found, and from then on counted before a job too.
-            assert await pids(look_for_children=True) == {server.pid, children[0]}
-            assert await pids(look_for_children=False) == {server.pid, children[0]}
+            children += await trio.to_thread.run_sync(start_children, server)
+            # A process of someone else's, started meanwhile, is never taken for the tree's.
+            other = await trio.lowlevel.open_process(
+                [sys.executable, "-c", "import time; time.sleep(60)"]
+            )
+            try:
+                # Before a job: the tree as last found, without the new processes.
+                assert await pids(look_for_children=False) == {server.pid}
+                # After a job: those that joined the tree are found (among the processes
+                # started since the last reading), and counted before a job from then on.
+                assert await pids(look_for_children=True) == {server.pid, *children}
+                assert await pids(look_for_children=False) == {server.pid, *children}
+            finally:
+                other.kill()
+                await other.wait()
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):

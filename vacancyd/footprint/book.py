@@ -26,6 +26,7 @@ processes do not.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -43,6 +44,8 @@ from vacancyd.footprint.processes import (
     FindServer,
     Member,
     TreeMemory,
+    grown_tree,
+    machine_pids,
     member,
     members_memory,
     still_running,
@@ -69,6 +72,10 @@ RETRY_AFTER_S = 60.0
 RECHECK_AFTER_S = 30.0
 # How long reading the server's process tree may hold up the job it measures.
 TREE_DEADLINE_S = 1.0
+# Between readings that search every process for the tree's children (psutil's way), a
+# reading after a job looks only at the processes started since the last one
+# (`grown_tree`); a pid reused in between is found at the next full search.
+FULL_TREE_EVERY_S = 60.0
 # A fall in free memory (or a growth of RSS) smaller than this across a job is noise.
 MIN_LOAD_MIB = 256
 
@@ -103,6 +110,16 @@ def hint_from(
     return FootprintHint(need, summary, detail, {r: s for r, s in sources.items() if s != summary})
 
 
+@attrs.frozen
+class _KnownTree:
+    """A server's process tree as last read, the machine's pids then, and when psutil last
+    searched every process for its children."""
+
+    members: frozenset[Member]
+    pids: frozenset[int]
+    read_in_full_at: float
+
+
 class FootprintBook:
     def __init__(
         self,
@@ -120,8 +137,8 @@ class FootprintBook:
         self._estimates: dict[tuple[str, str], _Estimate] = {}
         # Per upstream: the processes that listened for it when last looked for.
         self._roots: dict[str, frozenset[Member]] = {}
-        # Per upstream: its whole tree as the last full reading found it.
-        self._trees: dict[str, frozenset[Member]] = {}
+        # Per upstream: its whole tree as the last reading that looked for children found it.
+        self._trees: dict[str, _KnownTree] = {}
         self._unseen_until: dict[str, float] = {}
 
     def use_credential(self, upstream: str, credential: str | None) -> None:
@@ -266,13 +283,20 @@ class FootprintBook:
             self._roots[upstream.name] = roots
             self._trees.pop(upstream.name, None)
         known = self._trees.get(upstream.name)
-        if not look_for_children and known is not None:
-            present = members_memory(known)
+        if known is not None and not look_for_children:
+            present = members_memory(known.members)
             if present is not None:
                 return present
+        pids = machine_pids()  # before reading: what starts meanwhile is new next time
+        now = time.monotonic()
+        if known is not None and now - known.read_in_full_at < FULL_TREE_EVERY_S:
+            grown = grown_tree(known.members, known.pids, pids)
+            if grown is not None:
+                self._trees[upstream.name] = _KnownTree(grown.members, pids, known.read_in_full_at)
+                return grown
         tree = tree_memory(root.pid for root in roots)
         if tree is not None:
-            self._trees[upstream.name] = tree.members
+            self._trees[upstream.name] = _KnownTree(tree.members, pids, now)
         return tree
 
     def measure_host(

@@ -19,6 +19,7 @@ environment is private, and such a server's settings are then stated as assumed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
@@ -110,6 +111,50 @@ def members_memory(members: Iterable[Member]) -> TreeMemory | None:
     if not present:
         return None
     return TreeMemory(frozenset(present), total)
+
+
+def machine_pids() -> frozenset[int]:
+    """The pids on the machine now (one directory listing, no file read per process)."""
+    try:
+        return frozenset(int(name) for name in os.listdir("/proc") if name.isdigit())
+    except OSError:
+        return frozenset()
+
+
+def grown_tree(
+    members: frozenset[Member], seen: frozenset[int], now: frozenset[int]
+) -> TreeMemory | None:
+    """The tree of `members` (read earlier, when the machine's pids were `seen`) with the
+    processes that joined it since (among `now`, the pids listed just before this call),
+    and their RSS; None when none of it still runs.
+
+    A process that joined the tree since was started since, so its pid is one that was
+    not there then: only those are read (their parent), not every process on the machine
+    as psutil's search for children does. A pid reused in between is missed here; the
+    caller reads the tree in full now and then for that (`tree_memory`)."""
+    tree = {known.pid for known in members}
+    joined: set[int] = set()
+    new = sorted(now - seen - tree)
+    parents: dict[int, int] = {}
+    for pid in new:
+        try:
+            parents[pid] = psutil.Process(pid).ppid()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    # A grandchild can come before its parent in pid order: go round until nothing joins.
+    while True:
+        found = {pid for pid, ppid in parents.items() if ppid in tree or ppid in joined} - joined
+        if not found:
+            break
+        joined |= found
+    present = members_memory(members)
+    extra = members_memory(known for pid in sorted(joined) if (known := member(pid)) is not None)
+    if present is None and extra is None:
+        return None
+    return TreeMemory(
+        (present.members if present else frozenset()) | (extra.members if extra else frozenset()),
+        (present.rss_bytes if present else 0) + (extra.rss_bytes if extra else 0),
+    )
 
 
 def server_command(roots: Iterable[int]) -> list[str] | None:
