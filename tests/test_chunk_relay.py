@@ -28,6 +28,7 @@ import trio
 
 from tests.support.configs import daemon_config, upstream
 from tests.support.daemon import InProcessDaemon, host_port, in_process_daemon
+from tests.support.raw_upstream import next_request
 from vacancyd.model import PresenceReading, SessionState
 
 WAIT_S = 10.0
@@ -67,21 +68,8 @@ class ScriptedUpstream:
         buffer = b""
         try:
             async with stream:
-                while True:
-                    while HEAD_END not in buffer:
-                        data = await stream.receive_some(65536)
-                        if not data:
-                            return
-                        buffer += data
-                    head, _, buffer = buffer.partition(HEAD_END)
-                    length = next(
-                        int(line.split(b":", 1)[1])
-                        for line in head.lower().split(b"\r\n")
-                        if line.startswith(b"content-length:")
-                    )
-                    while len(buffer) < length:
-                        buffer += await stream.receive_some(65536)
-                    buffer = buffer[length:]
+                while (request := await next_request(stream, buffer)) is not None:
+                    _, buffer = request
                     self.requests += 1
                     await stream.send_all(SSE_HEAD)
                     keep_open = False  # unless the answer ends as scripted

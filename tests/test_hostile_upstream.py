@@ -59,11 +59,11 @@ from tests.support.fake_http import (
     send_json,
     serve_fake,
 )
+from tests.support.raw_upstream import next_request
 from tests.support.upstreams import Seen
 
 MIB = 1024 * 1024
 WAIT_S = 15.0
-HEAD_END = b"\r\n\r\n"
 
 # -- 1. bytes after the end of an answer never reach the next borrower ---------------------
 
@@ -111,32 +111,12 @@ class KeepAliveUpstream:
         # The proxy resets a connection it closes with the planted bytes unread.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             async with stream:
-                while True:
-                    while HEAD_END not in buffer:
-                        data = await stream.receive_some(65536)
-                        if not data:
-                            return
-                        buffer += data
-                    head, _, buffer = buffer.partition(HEAD_END)
-                    length = _content_length(head)
-                    while len(buffer) < length:
-                        data = await stream.receive_some(65536)
-                        if not data:
-                            return
-                        buffer += data
-                    buffer = buffer[length:]
+                while (request := await next_request(stream, buffer)) is not None:
+                    head, buffer = request
                     request_line = head.split(b"\r\n", 1)[0]
                     self.requests.append((number, request_line))
                     first = len(self.requests) == 1
                     await stream.send_all(self.first if first else genuine(request_line[:4]))
-
-
-def _content_length(head: bytes) -> int:
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value)
-    return 0
 
 
 @contextlib.asynccontextmanager

@@ -379,3 +379,35 @@ async def test_protocol_errors_are_reported_without_the_bytes_that_caused_them()
             await pool.request("GET", b"/", HOST, None)
     assert str(caught.value).startswith("RemoteProtocolError: ")
     assert b"secret" not in str(caught.value).encode()
+
+
+@pytest.mark.parametrize("with_head", [True, False], ids=["with-the-head", "later"])
+async def test_a_broken_chunked_body_is_reported_without_its_bytes_and_closes(
+    with_head: bool,
+) -> None:
+    """A size line that is not one, in the same write as the head (scanned as the answer
+    is made) or in a later one (scanned as it is read): a protocol error that quotes
+    nothing, and the connection is closed, not kept."""
+    secret = b"zz-borrower-secret-output\r\n"
+    head_read = trio.Event()
+
+    async def reply(stream: trio.SocketStream, request: bytes) -> bool:
+        if with_head:
+            await stream.send_all(CHUNKED_HEAD + secret)
+        else:
+            await stream.send_all(CHUNKED_HEAD)
+            await head_read.wait()  # so the body comes in a read of its own
+            await stream.send_all(secret)
+        return True
+
+    async with serving(reply) as (script, pool):
+        with pytest.raises(UpstreamError) as caught:
+            answer = await pool.request("GET", b"/", HOST, None)
+            head_read.set()
+            try:
+                await answer.read()
+            finally:
+                answer.release()  # as the relay does, whatever the read raised
+        await script.wait_closed(1)
+    assert str(caught.value).startswith("RemoteProtocolError: ")
+    assert b"secret" not in str(caught.value).encode()

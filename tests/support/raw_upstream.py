@@ -55,6 +55,34 @@ class RawUpstream:
                 await stream.send_all(self.answer)
 
 
+async def next_request(stream: trio.SocketStream, buffer: bytes) -> tuple[bytes, bytes] | None:
+    """The next request on a hand-written server's connection: its head, read past its
+    Content-Length body, and the bytes already read after it (the `buffer` to pass next
+    time); None once the peer has closed the connection."""
+    while HEAD_END not in buffer:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buffer += data
+    head, _, buffer = buffer.partition(HEAD_END)
+    length = content_length(head)
+    while len(buffer) < length:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buffer += data
+    return head, buffer[length:]
+
+
+def content_length(head: bytes) -> int:
+    """A request head's Content-Length (0 where it has none)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
 @contextlib.asynccontextmanager
 async def serve_raw(answer: bytes = b"") -> AsyncIterator[RawUpstream]:
     """A RawUpstream on a free loopback port for the length of the block. `answer` can

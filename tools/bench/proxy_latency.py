@@ -245,16 +245,18 @@ def measure(
 def upstream_process(
     events: int, gap_ms: float = 0.0
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    with script_process(
+        __file__, "--serve-upstream", "--events", str(events), "--event-gap-ms", str(gap_ms)
+    ) as running:
+        yield running
+
+
+@contextmanager
+def script_process(script: str, *arguments: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A bench script re-run with `arguments` as a server: it prints its port on stdout
+    once listening, and ends when its stdin is closed (at the end of the `with`)."""
     process = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--serve-upstream",
-            "--events",
-            str(events),
-            "--event-gap-ms",
-            str(gap_ms),
-        ],
+        [sys.executable, script, *arguments],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -114,6 +114,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tests.support.configs import daemon_config, upstream
 from tools.bench.proxy_latency import (
     cpu_seconds,
     machine,
@@ -121,6 +122,7 @@ from tools.bench.proxy_latency import (
     quantile,
     rss_mib,
     running_vacancyd,
+    script_process,
 )
 
 CHAT_PATH = "/v1/chat/completions"
@@ -255,26 +257,9 @@ def upstream_process(slots: int, max_seconds: float) -> Iterator[tuple[subproces
 
 @contextmanager
 def _script_process(*arguments: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """This script re-run with `arguments`; it prints its port on stdout once listening,
-    and ends when its stdin is closed (at the end of the `with`)."""
-    process = subprocess.Popen(
-        [sys.executable, __file__, *arguments],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        port = int(process.stdout.readline())
-        yield process, f"http://127.0.0.1:{port}"
-    finally:
-        if process.stdin:
-            process.stdin.close()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """This script re-run with `arguments` (proxy_latency.script_process)."""
+    with script_process(__file__, *arguments) as running:
+        yield running
 
 
 # ---------------------------------------------------------------------------------------
@@ -391,29 +376,12 @@ def bare_relay_process(
 def _config(target: str, max_connections: int) -> str:
     """Headless, one memory resource, one llamacpp upstream ("bench") in front of `target`;
     "{state_dir}" is filled in by running_vacancyd."""
-    return f"""
-[server]
-api_listen = "127.0.0.1:0"
-state_dir = "{{state_dir}}"
-
-[server.limits]
-max_connections = {max_connections}
-
-[owner]
-presence = "headless"
-
-[[resource]]
-name = "ram"
-kind = "memory"
-
-[[upstream]]
-name = "bench"
-adapter = "llamacpp"
-listen = "127.0.0.1:0"
-target = "{target}"
-resource = "ram"
-resident_min_free_mib = 0
-"""
+    return daemon_config(
+        upstream("bench", target, adapter="llamacpp", resident_min_free_mib=0),
+        state_dir="{state_dir}",
+        poll_interval_s=None,
+        limits={"max_connections": max_connections},
+    )
 
 
 @contextmanager

@@ -298,10 +298,11 @@ class UpstreamPool:
         connection = self._take_idle() or await self._connect()
         try:
             head = await self._exchange(connection, method, target, headers, body)
+            # A chunked body's first bytes are scanned here, and may already be broken.
+            return PooledAnswer(self, connection, head, method)
         except BaseException:
             connection.close()
             raise
-        return PooledAnswer(self, connection, head, method)
 
     async def _exchange(
         self,
