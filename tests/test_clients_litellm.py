@@ -198,11 +198,12 @@ async def test_with_the_vacancy_callback_a_paused_lender_gets_no_borrowed_reques
 ) -> None:
     """The Router as a new user writes it (one group, no fallback, no cooldown recipe) plus
     the callback: while the lender pauses it receives no request at all and no caller sees
-    an error, and it takes traffic again within 3 s of its resume (the 2 s cache, then the
-    next decision). The lender's weight makes it the Router's choice whenever it is kept,
-    so where a request went says whether the callback kept it. LiteLLM runs its routing
-    callbacks on its async calls (`acompletion`), as its proxy server makes them: the
-    whole client side is one asyncio loop in a worker thread."""
+    an error, and it takes traffic again at the first decision after its resume's cached
+    "no" runs out (the 2 s cache, then the ask in flight). The lender's weight makes it
+    the Router's choice whenever it is kept, so where a request went says whether the
+    callback kept it. LiteLLM runs its routing callbacks on its async calls
+    (`acompletion`), as its proxy server makes them: the whole client side is one asyncio
+    loop in a worker thread."""
     from vacancyd.integrations.litellm import VacancyFilter, probe_of
 
     lent = lender.proxy("lender")
@@ -266,9 +267,20 @@ async def test_with_the_vacancy_callback_a_paused_lender_gets_no_borrowed_reques
             seen["lender_hit"] = on_trio(attempts, lender, "lender") - before
             trio.from_thread.run_sync(lender.state.set_lending, True, trio_token=token)
             resumed = time.monotonic()
-            while (where := await ask()) != lent and time.monotonic() - resumed < 6:  # noqa: ASYNC110 (another process decides)
+            longest = 0.0
+            while True:
+                # The Router decides as an ask starts: time the decision, not the answer.
+                started = time.monotonic()
+                where = await ask()
+                longest = max(longest, time.monotonic() - started)
+                if where == lent or started - resumed >= 6:
+                    break
                 await asyncio.sleep(0.1)
-            seen["back"], seen["back_after"] = where, time.monotonic() - resumed
+            seen["back"], seen["chosen_after"], seen["longest_ask"] = (
+                where,
+                started - resumed,
+                longest,
+            )
             return seen
         finally:
             await close_litellm_clients()
@@ -280,4 +292,7 @@ async def test_with_the_vacancy_callback_a_paused_lender_gets_no_borrowed_reques
     assert seen["first"] == lent
     assert seen["paused"] == [llama_url] * 30
     assert seen["lender_hit"] == 0
-    assert seen["back"] == lent and seen["back_after"] <= 3.0, seen["back_after"]
+    # Chosen at the first decision after the cached "no vacancy" (2 s) ran out: the ask
+    # in flight then (at most the longest one seen) and a poll's pause are all it may add.
+    assert seen["back"] == lent, seen
+    assert seen["chosen_after"] <= 2.0 + seen["longest_ask"] + 0.5, seen

@@ -112,7 +112,8 @@ def hint_from(
 
 @attrs.frozen
 class _KnownTree:
-    """A server's process tree as last read, the machine's pids then, and when psutil last
+    """A server's process tree as last read, the machine's pids then (empty where /proc
+    could not be listed: the next reading searches in full), and when psutil last
     searched every process for its children."""
 
     members: frozenset[Member]
@@ -289,14 +290,15 @@ class FootprintBook:
                 return present
         pids = machine_pids()  # before reading: what starts meanwhile is new next time
         now = time.monotonic()
-        if known is not None and now - known.read_in_full_at < FULL_TREE_EVERY_S:
+        fresh = known is not None and now - known.read_in_full_at < FULL_TREE_EVERY_S
+        if known is not None and fresh and known.pids and pids is not None:
             grown = grown_tree(known.members, known.pids, pids)
             if grown is not None:
                 self._trees[upstream.name] = _KnownTree(grown.members, pids, known.read_in_full_at)
                 return grown
         tree = tree_memory(root.pid for root in roots)
         if tree is not None:
-            self._trees[upstream.name] = _KnownTree(tree.members, pids, now)
+            self._trees[upstream.name] = _KnownTree(tree.members, pids or frozenset(), now)
         return tree
 
     def measure_host(

@@ -113,12 +113,13 @@ def members_memory(members: Iterable[Member]) -> TreeMemory | None:
     return TreeMemory(frozenset(present), total)
 
 
-def machine_pids() -> frozenset[int]:
-    """The pids on the machine now (one directory listing, no file read per process)."""
+def machine_pids() -> frozenset[int] | None:
+    """The pids on the machine now (one directory listing, no file read per process), or
+    None where /proc cannot be listed (then only a full search finds new children)."""
     try:
         return frozenset(int(name) for name in os.listdir("/proc") if name.isdigit())
     except OSError:
-        return frozenset()
+        return None
 
 
 def grown_tree(
