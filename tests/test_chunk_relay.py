@@ -173,6 +173,19 @@ async def borrower_of(daemon: InProcessDaemon) -> AsyncIterator[Borrower]:
         yield Borrower(stream)
 
 
+@contextlib.asynccontextmanager
+async def relayed(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[ScriptedUpstream, InProcessDaemon, Borrower]]:
+    """The scripted upstream, a daemon in front of it, and a borrower connected to it."""
+    async with (
+        scripted_upstream() as server,
+        in_process_daemon(config(server, tmp_path)) as daemon,
+        borrower_of(daemon) as borrower,
+    ):
+        yield server, daemon, borrower
+
+
 def whole_chunks(body: bytes) -> tuple[bytes, bool]:
     """The payload of a chunked body that must hold whole chunks only (AssertionError if
     a chunk is cut short), and whether it has its last chunk."""
@@ -199,11 +212,7 @@ async def test_whole_chunks_reach_the_borrower_as_the_upstream_framed_them(
     """A size line in capitals or with leading zeros shows the bytes went on as they came;
     h11 would have framed them again (`5`, `1a`). An extension is dropped, its chunk
     framed again. The upstream connection then carries the borrower's next request."""
-    async with (
-        scripted_upstream() as server,
-        in_process_daemon(config(server, tmp_path)) as daemon,
-        borrower_of(daemon) as borrower,
-    ):
+    async with relayed(tmp_path) as (server, _daemon, borrower):
         await borrower.ask()
         server.write(b"0005\r\nhello\r\n")
         assert await borrower.until(b"hello\r\n") == b"0005\r\nhello\r\n"
@@ -226,11 +235,7 @@ async def test_whole_chunks_reach_the_borrower_as_the_upstream_framed_them(
 async def test_a_chunk_split_across_reads_goes_out_as_whole_chunks_of_its_own(
     tmp_path: Path,
 ) -> None:
-    async with (
-        scripted_upstream() as server,
-        in_process_daemon(config(server, tmp_path)) as daemon,
-        borrower_of(daemon) as borrower,
-    ):
+    async with relayed(tmp_path) as (server, _daemon, borrower):
         await borrower.ask()
         server.write(b"a\r\nhel")
         assert await borrower.until(b"hel\r\n") == b"3\r\nhel\r\n"
@@ -251,11 +256,7 @@ async def test_a_stream_cut_mid_chunk_ends_at_a_chunk_boundary_then_breaks(
     whole chunks only; the last error frame follows where the payload ends between two
     events, not mid-event; then the break (no last chunk). The upstream connection closes."""
     event = b"data: {}\n\n"
-    async with (
-        scripted_upstream() as server,
-        in_process_daemon(config(server, tmp_path)) as daemon,
-        borrower_of(daemon) as borrower,
-    ):
+    async with relayed(tmp_path) as (server, daemon, borrower):
         await borrower.ask()
         server.write(b"%x\r\n%s\r\n" % (len(event), event))
         await borrower.until(event + b"\r\n")
@@ -324,11 +325,7 @@ async def test_a_borrower_that_stops_reading_is_reset_and_the_upstream_closed(
 
 async def test_an_http_10_borrower_gets_the_payload_alone(tmp_path: Path) -> None:
     """Its answer is not chunked (h11 ends it by closing), so the chunks are taken apart."""
-    async with (
-        scripted_upstream() as server,
-        in_process_daemon(config(server, tmp_path)) as daemon,
-        borrower_of(daemon) as borrower,
-    ):
+    async with relayed(tmp_path) as (server, _daemon, borrower):
         await borrower.ask(b"1.0")
         server.write(b"0005\r\nhello\r\n")
         await borrower.until(b"hello")

@@ -67,20 +67,27 @@ CHAT_BODY = json.dumps(
 # The upstream (runs in its own process)
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+    """The next request on a bench upstream's connection: its method, target and body
+    (framed by Content-Length). Raises IncompleteReadError once the client has gone."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    request_line, *lines = head.decode("latin-1").split("\r\n")
+    method, target = [*request_line.split(" "), "", ""][:2]
+    length = 0
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    body = await reader.readexactly(length) if length else b""
+    return method, target, body
+
+
 async def _serve_one(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int, gap_s: float
 ) -> None:
     try:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            request_line, *lines = head.decode("latin-1").split("\r\n")
-            method = request_line.split(" ", 1)[0]
-            length = 0
-            for line in lines:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
-            body = await reader.readexactly(length) if length else b""
+            method, _, body = await read_request(reader)
             if method == "POST" and b'"stream": true' in body:
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"

@@ -120,6 +120,7 @@ from tools.bench.proxy_latency import (
     machine,
     pin,
     quantile,
+    read_request,
     rss_mib,
     running_vacancyd,
     script_process,
@@ -185,16 +186,8 @@ async def _serve_connection(
 ) -> None:
     try:
         for _ in range(MAX_REQUESTS_PER_CONNECTION):
-            head = await reader.readuntil(b"\r\n\r\n")
-            request_line, *lines = head.decode("latin-1").split("\r\n")
-            method, target = [*request_line.split(" "), "", ""][:2]
+            method, target, body = await read_request(reader)
             path = target.split("?", 1)[0]
-            length = 0
-            for line in lines:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
-            body = await reader.readexactly(length) if length else b""
             if method == "POST" and path == CHAT_PATH:
                 asked = json.loads(body or b"{}")
                 if asked.get("stream") is True:
