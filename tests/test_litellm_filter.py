@@ -248,6 +248,11 @@ async def ollama_lender(state: Path) -> AsyncIterator[InProcessDaemon]:
             yield daemon
 
 
+# A probe that reads residency can outlast the callback's default 0.5 s on a loaded
+# machine; the timeout's own behaviour keeps its own test.
+PROBE_TIMEOUT_S = 5.0
+
+
 async def test_lenders_that_hold_the_model_are_preferred_while_they_have_vacancy(
     tmp_path: Path,
 ) -> None:
@@ -269,14 +274,22 @@ async def test_lenders_that_hold_the_model_are_preferred_while_they_have_vacancy
             deployment("empty", f"{empty.api}/vacancy/lender", model=model),
             deployment("always-on", model=model),
         ]
-        assert await decide(VacancyFilter(cache_s=0), deployments) == [["holding", "always-on"]]
-        indifferent = VacancyFilter(cache_s=0, prefer_resident=False)
+        assert await decide(
+            VacancyFilter(cache_s=0, probe_timeout_s=PROBE_TIMEOUT_S), deployments
+        ) == [["holding", "always-on"]]
+        indifferent = VacancyFilter(
+            cache_s=0, probe_timeout_s=PROBE_TIMEOUT_S, prefer_resident=False
+        )
         assert await decide(indifferent, deployments) == [["holding", "empty", "always-on"]]
         other = [deployment(d["model_info"]["id"], d["model_info"].get("vacancy_probe"),
                             model="ollama/qwen2.5:0.5b") for d in deployments]  # fmt: skip
-        assert await decide(VacancyFilter(cache_s=0), other) == [["holding", "empty", "always-on"]]
+        assert await decide(VacancyFilter(cache_s=0, probe_timeout_s=PROBE_TIMEOUT_S), other) == [
+            ["holding", "empty", "always-on"]
+        ]
         holding.state.set_lending(False)
-        assert await decide(VacancyFilter(cache_s=0), deployments) == [["empty", "always-on"]]
+        assert await decide(
+            VacancyFilter(cache_s=0, probe_timeout_s=PROBE_TIMEOUT_S), deployments
+        ) == [["empty", "always-on"]]
 
 
 @pytest.mark.slow
